@@ -1,0 +1,127 @@
+"""The adapter contract: what differs between architectures, as data plus one function.
+
+An adapter names the mlx-lm attention classes it wraps (with the call signature and
+source hash it was written against), finds the attention modules of a model, and
+turns one attention call into pre-RoPE queries, keys and values. It never knows
+about algorithms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class AttentionTarget:
+    """One mlx-lm attention class whose ``__call__`` veloxpatch wraps."""
+
+    module: str  # e.g. "mlx_lm.models.llama"
+    cls: str  # e.g. "Attention"
+    signature: str  # str(inspect.signature(cls.__call__)) when the adapter was written
+    source_sha256: str  # of inspect.getsource(cls.__call__), same time
+    # (attn, x) -> pre-RoPE q [B, Hq, L, D], k, v [B, Hkv, L, D]
+    project: Callable[[Any, mx.array], tuple[mx.array, mx.array, mx.array]]
+    # names of the call's parameters after x, in positional order
+    params: tuple[str, ...] = ("mask", "cache")
+    # (attn, L, offset, call) -> query scale or None (Ministral 3's attn_scale)
+    query_scale: Callable[[Any, int, int, dict], Any] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}.{self.cls}"
+
+    def resolve(self) -> type:
+        return getattr(importlib.import_module(self.module), self.cls)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[mx.array, dict]:
+        """Split a call's arguments into x and a dict of the named parameters."""
+        x = args[0] if args else kwargs["x"]
+        call = dict(zip(self.params, args[1:]))
+        call.update((k, v) for k, v in kwargs.items() if k != "x")
+        return x, call
+
+
+def call_source_sha256(cls: type) -> str:
+    return hashlib.sha256(inspect.getsource(cls.__call__).encode()).hexdigest()
+
+
+def split_heads(t: mx.array, n_heads: int) -> mx.array:
+    """[B, L, H*D] -> [B, H, L, D]."""
+    B, L, _ = t.shape
+    return t.reshape(B, L, n_heads, -1).transpose(0, 2, 1, 3)
+
+
+def project_plain(attn, x: mx.array):
+    """q/k/v projections of Llama, Mistral and Qwen2 (biases live in the Linear)."""
+    q = split_heads(attn.q_proj(x), attn.n_heads)
+    k = split_heads(attn.k_proj(x), attn.n_kv_heads)
+    v = split_heads(attn.v_proj(x), attn.n_kv_heads)
+    return q, k, v
+
+
+def project_qk_norm(attn, x: mx.array):
+    """Qwen3: RMSNorm per head on q and k before the transpose, as mlx-lm does."""
+    B, L, _ = x.shape
+    q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, -1))
+    k = attn.k_norm(attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1))
+    v = split_heads(attn.v_proj(x), attn.n_kv_heads)
+    return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v
+
+
+@dataclass(frozen=True)
+class LayerSite:
+    """One transformer block's attention, as the patcher sees it."""
+
+    index: int
+    attention: Any
+    target: AttentionTarget
+    sliding: bool  # sliding-window layers keep mlx-lm's own cache
+
+
+class Adapter:
+    """One architecture family. Subclasses set the data and `targets_for`."""
+
+    name: str = ""
+    model_types: tuple[str, ...] = ()
+    targets: tuple[AttentionTarget, ...] = ()
+
+    def target_for(self, model) -> AttentionTarget:
+        """The attention target of this model (some families dispatch on config)."""
+        return self.targets[0]
+
+    def sites(self, model) -> list[LayerSite]:
+        target = self.target_for(model)
+        cls = target.resolve()
+        sites = []
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            if type(attn) is not cls:
+                from veloxpatch.errors import UnsupportedModelError
+
+                raise UnsupportedModelError(
+                    f"layer {i} attention is {type(attn).__module__}."
+                    f"{type(attn).__name__}, expected {target.key}"
+                )
+            sites.append(LayerSite(i, attn, target, _is_sliding(model, i, layer)))
+        return sites
+
+
+def _is_sliding(model, index: int, layer) -> bool:
+    if getattr(layer, "use_sliding", False):
+        return True
+    types = getattr(getattr(model, "args", None), "layer_types", None)
+    return bool(types) and index < len(types) and types[index] == "sliding_attention"
+
+
+def model_type(model) -> str:
+    mt = getattr(model, "model_type", None)
+    if mt is None:
+        mt = getattr(getattr(model, "args", None), "model_type", None)
+    return str(mt)

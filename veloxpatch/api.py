@@ -1,0 +1,169 @@
+"""Public API: apply / patched / unpatch / algos, and the Patch handle.
+
+`apply` validates everything first (architecture, algorithm, options, not already
+patched), then mutates; a failure midway rolls back, so a model is never left
+half-patched. Restoring puts back the very same objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+from mlx_lm.models.cache import KVCache
+
+from . import patcher
+from .caches import ALGORITHMS
+from .errors import OptionError, PatchStateError, UnsupportedModelError
+
+_MISSING = object()
+_PATCHES: dict[int, weakref.ref] = {}  # id(model) -> Patch
+
+
+def algos() -> list[str]:
+    """Names of all algorithms."""
+    return list(ALGORITHMS)
+
+
+def algorithm(name: str):
+    try:
+        return ALGORITHMS[name]
+    except (KeyError, TypeError):
+        raise OptionError(
+            f"unknown algorithm {name!r}; available: {', '.join(ALGORITHMS)}"
+        ) from None
+
+
+def patch_of(model) -> Patch | None:
+    ref = _PATCHES.get(id(model))
+    patch = ref() if ref is not None else None
+    return patch if patch is not None and patch.model is model else None
+
+
+class Patch:
+    """A patched model. `restore()` undoes everything; a second call does nothing."""
+
+    def __init__(self, model, adapter, sites, cache_cls, options):
+        self.model = model
+        self.adapter = adapter
+        self.sites = sites  # every layer; sliding ones are not registered
+        self.algo = cache_cls.name
+        self.cache_cls = cache_cls
+        self.options = options
+        self.active = False
+        self._prior_make_cache = _MISSING
+        self._last_caches: list = []
+
+    # -- caches ------------------------------------------------------------------
+    def make_cache(self) -> list:
+        """One cache per layer: the algorithm's cache on patched layers, mlx-lm's
+        own type (e.g. RotatingKVCache) on sliding-window layers."""
+        base = self._original_caches()
+        n = len(self.sites)
+        caches = [
+            base[s.index] if s.sliding else self.cache_cls(self.options, s.index, n)
+            for s in self.sites
+        ]
+        self._last_caches = [weakref.ref(c) for c in caches]
+        return caches
+
+    def _original_caches(self) -> list:
+        prior = self._prior_make_cache
+        if prior is not _MISSING:
+            return prior()
+        cls_make = getattr(type(self.model), "make_cache", None)
+        if cls_make is not None:
+            return cls_make(self.model)
+        return [KVCache() for _ in self.sites]
+
+    def end_prompt(self, caches=None) -> None:
+        """Tell the caches the prompt is over (for callers that drive
+        `model(x, cache=...)` themselves). Defaults to the last `make_cache()`."""
+        if caches is None:
+            caches = [r() for r in self._last_caches]
+        for c in caches:
+            if c is not None and hasattr(c, "end_prompt") and hasattr(c, "attend"):
+                c._in_prompt = False
+                c.end_prompt()
+
+    # -- lifecycle ----------------------------------------------------------------
+    def _install(self) -> None:
+        model = self.model
+        active = [s for s in self.sites if not s.sliding]
+        self._prior_make_cache = model.__dict__.get("make_cache", _MISSING)
+        _PATCHES[id(model)] = weakref.ref(self)
+        try:
+            patcher.register(active)
+            model.make_cache = self.make_cache
+        except BaseException:
+            self._uninstall()
+            raise
+        self.active = True
+
+    def _uninstall(self) -> None:
+        model = self.model
+        patcher.unregister([s for s in self.sites if not s.sliding])
+        if self._prior_make_cache is _MISSING:
+            model.__dict__.pop("make_cache", None)
+        else:
+            model.make_cache = self._prior_make_cache
+        ref = _PATCHES.get(id(model))
+        if ref is not None and ref() is self:
+            del _PATCHES[id(model)]
+
+    def restore(self) -> None:
+        if not self.active:
+            return
+        self._uninstall()
+        self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
+
+    def __repr__(self):
+        state = "active" if self.active else "restored"
+        return f"<veloxpatch.Patch {self.algo} {self.options} ({state})>"
+
+
+def apply(model, algo: str = "full", **options) -> Patch:
+    """Patch `model`'s attention and install `algo`'s caches as `model.make_cache`."""
+    from model_adapters import adapter_for
+
+    adapter = adapter_for(model)
+    cache_cls = algorithm(algo)
+    opts = cache_cls.Options.create(algo, options)
+    if patch_of(model) is not None:
+        raise PatchStateError(
+            "model is already patched; call restore() (or veloxpatch.unpatch) first"
+        )
+    sites = adapter.sites(model)
+    for target in {s.target for s in sites}:
+        patcher.check_target(target)
+    if all(s.sliding for s in sites):
+        raise UnsupportedModelError("every layer uses sliding-window attention")
+    patch = Patch(model, adapter, sites, cache_cls, opts)
+    patch._install()
+    return patch
+
+
+@contextlib.contextmanager
+def patched(model, algo: str = "full", **options):
+    """`with patched(model, algo=...) as patch:` restores on exit, even on error."""
+    patch = apply(model, algo, **options)
+    try:
+        yield patch
+    finally:
+        patch.restore()
+
+
+def unpatch(model) -> bool:
+    """Restore `model` if it is patched. Returns whether anything was undone."""
+    patch = patch_of(model)
+    if patch is None:
+        return False
+    patch.restore()
+    return True

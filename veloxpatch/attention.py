@@ -1,0 +1,31 @@
+"""The one patched attention forward, shared by every adapter (DESIGN: "The
+patched forward"). Layers whose cache is not a veloxpatch cache run mlx-lm's code."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .caches.base import VeloxCache
+from .errors import PatchStateError
+
+
+def patched_forward(site, wrapped, attn, args, kwargs):
+    target = site.target
+    x, call = target.bind(args, kwargs)
+    cache = call.get("cache")
+    if not isinstance(cache, VeloxCache):
+        return wrapped(*args, **kwargs)
+    if isinstance(call.get("mask"), mx.array):
+        # Our caches never hand mlx-lm an array mask, so this is a padded batch or
+        # a caller's own mask, which the cache cannot honour.
+        raise PatchStateError(
+            "padded batches and custom attention masks are not supported with "
+            "veloxpatch caches; use batch size 1 or equal-length prompts"
+        )
+    B, L, _ = x.shape
+    q, k, v = target.project(attn, x)
+    query_scale = None
+    if target.query_scale is not None:
+        query_scale = target.query_scale(attn, L, cache.offset, call)
+    out = cache.attend(q, k, v, rope=attn.rope, scale=attn.scale, query_scale=query_scale)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))

@@ -1,0 +1,248 @@
+"""The cache every veloxpatch algorithm builds on.
+
+A cache receives pre-RoPE q/k/v from the patched forward together with the
+layer's rope, softmax scale and any query scale, and returns the attention output.
+Storage is per KV head: keys/values [B, Hkv, T, D] in a step-grown buffer and,
+once anything has been evicted, the absolute position of every row [B, Hkv, T].
+`offset` is always the number of tokens seen (what RoPE reads), never the row count.
+
+Algorithms override a few named hooks (see `VeloxCache`); they never touch mlx-lm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, ClassVar
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from ..errors import OptionError, PatchStateError, UnsupportedCacheOperation
+
+# Position given to padding rows (heads that keep fewer rows than the buffer
+# holds): larger than any query position, so the causal mask hides it.
+PAD_POSITION = 2**31 - 1
+
+
+@dataclasses.dataclass
+class CacheOptions:
+    """Options shared by every algorithm. Subclasses add fields and validate them
+    in `__post_init__` (call super)."""
+
+    def __post_init__(self):
+        pass
+
+    @classmethod
+    def create(cls, algo: str, options: dict[str, Any]) -> CacheOptions:
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            valid = ", ".join(names) if names else "(none)"
+            raise OptionError(
+                f"unknown option(s) {', '.join(unknown)} for {algo!r}; valid: {valid}"
+            )
+        try:
+            return cls(**options)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, OptionError):
+                raise
+            raise OptionError(f"{algo}: {e}") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class VeloxCache(_BaseCache):
+    """Dense attention with per-head storage; the parity path of `full`.
+
+    Hooks for algorithms:
+      - `attention(q, keys, values, mask, scale)`: how to attend (default: fused SDPA);
+      - `after_attend(q, new_rows)`: called after every call, evict here;
+      - `end_prompt()`: the prompt is over (first single-token call after a
+        multi-token one, or `Patch.end_prompt()`).
+    """
+
+    name: ClassVar[str] = "base"
+    Options: ClassVar[type[CacheOptions]] = CacheOptions
+    step: ClassVar[int] = 256
+
+    def __init__(self, options: CacheOptions | None = None, layer: int = 0,
+                 num_layers: int = 1):
+        self.options = options if options is not None else self.Options()
+        self.layer = layer
+        self.num_layers = num_layers
+        self.keys = None  # [B, Hkv, capacity, D]
+        self.values = None
+        self.positions = None  # None while dense: row t holds position t
+        self.rows = 0  # rows in use (the same for every head; short heads pad)
+        self.offset = 0  # tokens seen = absolute position of the next token
+        self._in_prompt = False
+
+    # ---- the patched forward calls this -------------------------------------
+    def attend(self, q, k, v, *, rope, scale, query_scale=None):
+        L = q.shape[2]
+        if L > 1 and self.rows and k.shape[0] != self.keys.shape[0]:
+            raise PatchStateError("batch size changed while the cache holds tokens")
+        if L == 1 and self._in_prompt:
+            self._in_prompt = False
+            self.end_prompt()
+        offset = self.offset
+        q = rope(q, offset=offset)
+        k = rope(k, offset=offset)
+        if query_scale is not None:
+            q = q * query_scale
+        keys, values = self._append(k, v, offset)
+        out = self.attention(q, keys, values, self._mask(L, offset, q.shape[1]), scale)
+        self.offset = offset + L
+        if L > 1:
+            self._in_prompt = True
+        self.after_attend(q, L)
+        return out
+
+    # ---- hooks ----------------------------------------------------------------
+    def attention(self, q, keys, values, mask, scale):
+        return mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=scale, mask=mask
+        )
+
+    def after_attend(self, q, new_rows: int) -> None:
+        pass
+
+    def end_prompt(self) -> None:
+        pass
+
+    # ---- storage --------------------------------------------------------------
+    def _append(self, k, v, offset):
+        prev, L = self.rows, k.shape[2]
+        if self.keys is None or prev + L > self.keys.shape[2]:
+            self._grow(k, v, prev + L)
+        self.keys[..., prev : prev + L, :] = k
+        self.values[..., prev : prev + L, :] = v
+        if self.positions is not None:
+            B, H = k.shape[:2]
+            new = mx.broadcast_to(mx.arange(offset, offset + L, dtype=mx.int32), (B, H, L))
+            self.positions[..., prev : prev + L] = new
+        self.rows = prev + L
+        return self._view()
+
+    def _grow(self, k, v, needed):
+        B, H, _, Dk = k.shape
+        cap = (needed + self.step - 1) // self.step * self.step
+        if self.keys is None:
+            self.keys = mx.zeros((B, H, cap, Dk), k.dtype)
+            self.values = mx.zeros((B, H, cap, v.shape[3]), v.dtype)
+            return
+        extra = cap - self.keys.shape[2]
+        k_pad = mx.zeros((B, H, extra, Dk), self.keys.dtype)
+        v_pad = mx.zeros((B, H, extra, self.values.shape[3]), self.values.dtype)
+        self.keys = mx.concatenate([self.keys, k_pad], axis=2)
+        self.values = mx.concatenate([self.values, v_pad], axis=2)
+        if self.positions is not None:
+            p_pad = mx.full((B, H, extra), PAD_POSITION, mx.int32)
+            self.positions = mx.concatenate([self.positions, p_pad], axis=2)
+
+    def _view(self):
+        if self.rows == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[..., : self.rows, :], self.values[..., : self.rows, :]
+
+    def _mask(self, L: int, offset: int, n_q_heads: int):
+        """Dense: mlx-lm's own choice ("causal" or none). After eviction: causal on
+        the true positions, per KV head, expanded to the query heads."""
+        if self.positions is None:
+            return "causal" if L > 1 else None
+        pos = self.positions[..., : self.rows]  # [B, Hkv, T]
+        qpos = mx.arange(offset, offset + L, dtype=mx.int32)
+        mask = pos[:, :, None, :] <= qpos[None, None, :, None]  # [B, Hkv, L, T]
+        n_rep = n_q_heads // pos.shape[1]
+        return mx.repeat(mask, n_rep, axis=1) if n_rep > 1 else mask
+
+    @property
+    def evicted(self) -> bool:
+        return self.positions is not None
+
+    # ---- mlx-lm cache contract ------------------------------------------------
+    def update_and_fetch(self, keys, values):
+        raise PatchStateError(
+            f"a veloxpatch {self.name!r} cache was passed to an attention module "
+            "that is not patched (was the patch restored?); make a new cache with "
+            "model.make_cache() or mlx_lm's make_prompt_cache"
+        )
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        # Ignored by the patched forward: each cache builds its own mask.
+        return "causal" if N > 1 else None
+
+    def size(self):
+        return self.rows
+
+    def empty(self):
+        return self.keys is None
+
+    def is_trimmable(self):
+        return False
+
+    def trim(self, n):
+        return 0
+
+    @property
+    def nbytes(self):
+        if self.keys is None:
+            return 0
+        total = self.keys.nbytes + self.values.nbytes
+        return total + (self.positions.nbytes if self.positions is not None else 0)
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        k, v = self._view()
+        if self.positions is None:
+            return [k, v]
+        return [k, v, self.positions[..., : self.rows]]
+
+    @state.setter
+    def state(self, v):
+        if not v:
+            self.keys = self.values = self.positions = None
+            self.rows = 0
+            return
+        self.keys, self.values = v[0], v[1]
+        self.positions = v[2] if len(v) > 2 else None
+        self.rows = self.keys.shape[2]
+
+    @property
+    def meta_state(self):
+        return {
+            "algo": self.name,
+            "options": json.dumps(self.options.as_dict()),
+            "offset": str(self.offset),
+            "layer": str(self.layer),
+            "num_layers": str(self.num_layers),
+            "in_prompt": str(int(self._in_prompt)),
+        }
+
+    @meta_state.setter
+    def meta_state(self, m):
+        self.options = self.Options(**json.loads(m["options"]))
+        self.offset = int(m["offset"])
+        self.layer = int(m["layer"])
+        self.num_layers = int(m["num_layers"])
+        self._in_prompt = bool(int(m["in_prompt"]))
+
+    # ---- mlx-lm features that would silently drop the algorithm ---------------
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        raise UnsupportedCacheOperation(
+            "mlx-lm's kv_bits quantization is not supported with veloxpatch caches "
+            "(it would replace them with a plain cache); use "
+            "apply(model, algo=..., kv_bits=...) or algo='kivi' instead"
+        )
+
+    @classmethod
+    def merge(cls, caches):
+        raise UnsupportedCacheOperation(
+            "mlx-lm batch generation (BatchGenerator, the server) is not supported "
+            "with veloxpatch caches; generate one prompt at a time, or pass an "
+            "equal-length batch to model(...) directly"
+        )

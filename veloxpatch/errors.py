@@ -1,0 +1,21 @@
+"""Errors a user can cause. The CLI prints them as one line and exits 2."""
+
+
+class VeloxpatchError(ValueError):
+    """Base class for every user-facing veloxpatch error."""
+
+
+class UnsupportedModelError(VeloxpatchError):
+    """The model's architecture has no adapter, or the adapter does not fit it."""
+
+
+class OptionError(VeloxpatchError):
+    """An unknown algorithm, an unknown option, or an invalid option value."""
+
+
+class PatchStateError(VeloxpatchError):
+    """Patching a patched model, or using a cache outside a patched model."""
+
+
+class UnsupportedCacheOperation(VeloxpatchError):
+    """An mlx-lm feature that would silently bypass a veloxpatch cache."""
