@@ -31,7 +31,12 @@ QWEN3_MOE = AttentionTarget(
     project_qk_norm,
 )
 
-_BY_TYPE = {"qwen2": QWEN2, "qwen2_moe": QWEN2_MOE, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+_BY_TYPE = {
+    "qwen2": QWEN2,
+    "qwen2_moe": QWEN2_MOE,
+    "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+}
 
 
 class QwenAdapter(Adapter):

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes
 
 VOCAB = 97
+SHARPEN = 2.0
 _COMMON = dict(
     hidden_size=64,
     num_hidden_layers=3,
@@ -106,11 +107,14 @@ def tiny_model(arch: str, seed: int = 0, dtype=mx.float32, **overrides) -> nn.Mo
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
-    # Sharpen attention: larger q/k weights give peaked, position-dependent softmaxes.
+    # Sharpen attention: larger q/k weights (and Qwen3's q/k norms) give peaked,
+    # position-dependent softmaxes.
     params = []
     for name, p in tree_flatten(model.parameters()):
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            p = p * 4.0
+        if name.endswith(
+            ("q_proj.weight", "k_proj.weight", "q_norm.weight", "k_norm.weight")
+        ):
+            p = p * SHARPEN
         params.append((name, p.astype(dtype)))
     model.update(tree_unflatten(params))
     mx.eval(model.parameters())

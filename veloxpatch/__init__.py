@@ -13,6 +13,8 @@ _EXPORTS = {
     "algos": "api",
     "Patch": "api",
     "load": "models",
+    "save_cache": "caches.io",
+    "load_cache": "caches.io",
     "VeloxpatchError": "errors",
 }
 

@@ -27,5 +27,7 @@ def patched_forward(site, wrapped, attn, args, kwargs):
     query_scale = None
     if target.query_scale is not None:
         query_scale = target.query_scale(attn, L, cache.offset, call)
-    out = cache.attend(q, k, v, rope=attn.rope, scale=attn.scale, query_scale=query_scale)
+    out = cache.attend(
+        q, k, v, rope=attn.rope, scale=attn.scale, query_scale=query_scale
+    )
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))

@@ -73,7 +73,7 @@ def _release(cls: type, key: int) -> None:
         return
     cp.instances.discard(key)
     if not cp.instances:
-        setattr(cls, "__call__", cp.original)
+        cls.__call__ = cp.original
         del _CLASSES[cls]
 
 

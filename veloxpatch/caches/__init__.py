@@ -2,9 +2,11 @@
 
 from .base import CacheOptions, VeloxCache
 from .full import FullCache
+from .knorm import KNormCache
+from .streaming_llm import StreamingLLMCache
 
 ALGORITHMS: dict[str, type[VeloxCache]] = {
-    FullCache.name: FullCache,
+    cls.name: cls for cls in (FullCache, StreamingLLMCache, KNormCache)
 }
 
 __all__ = ["ALGORITHMS", "CacheOptions", "VeloxCache"]

@@ -64,11 +64,13 @@ class VeloxCache(_BaseCache):
     """
 
     name: ClassVar[str] = "base"
+    summary: ClassVar[str] = ""  # one line for `veloxpatch list`
     Options: ClassVar[type[CacheOptions]] = CacheOptions
     step: ClassVar[int] = 256
 
-    def __init__(self, options: CacheOptions | None = None, layer: int = 0,
-                 num_layers: int = 1):
+    def __init__(
+        self, options: CacheOptions | None = None, layer: int = 0, num_layers: int = 1
+    ):
         self.options = options if options is not None else self.Options()
         self.layer = layer
         self.num_layers = num_layers
@@ -76,6 +78,7 @@ class VeloxCache(_BaseCache):
         self.values = None
         self.positions = None  # None while dense: row t holds position t
         self.rows = 0  # rows in use (the same for every head; short heads pad)
+        self.padded = False  # some heads hold padding rows (PAD_POSITION)
         self.offset = 0  # tokens seen = absolute position of the next token
         self._in_prompt = False
 
@@ -121,14 +124,20 @@ class VeloxCache(_BaseCache):
         self.values[..., prev : prev + L, :] = v
         if self.positions is not None:
             B, H = k.shape[:2]
-            new = mx.broadcast_to(mx.arange(offset, offset + L, dtype=mx.int32), (B, H, L))
+            new = mx.broadcast_to(
+                mx.arange(offset, offset + L, dtype=mx.int32), (B, H, L)
+            )
             self.positions[..., prev : prev + L] = new
         self.rows = prev + L
         return self._view()
 
+    def _capacity(self, needed: int) -> int:
+        """Rows to allocate when `needed` no longer fit (mlx-lm's step growth)."""
+        return (needed + self.step - 1) // self.step * self.step
+
     def _grow(self, k, v, needed):
         B, H, _, Dk = k.shape
-        cap = (needed + self.step - 1) // self.step * self.step
+        cap = self._capacity(needed)
         if self.keys is None:
             self.keys = mx.zeros((B, H, cap, Dk), k.dtype)
             self.values = mx.zeros((B, H, cap, v.shape[3]), v.dtype)
@@ -148,9 +157,11 @@ class VeloxCache(_BaseCache):
         return self.keys[..., : self.rows, :], self.values[..., : self.rows, :]
 
     def _mask(self, L: int, offset: int, n_q_heads: int):
-        """Dense: mlx-lm's own choice ("causal" or none). After eviction: causal on
-        the true positions, per KV head, expanded to the query heads."""
-        if self.positions is None:
+        """mlx-lm's own choice ("causal" or none) unless heads are padded; then
+        causal on the true positions, per KV head, expanded to the query heads."""
+        if not self.padded:
+            # Rows are in position order and all in the past of the new ones, so
+            # the fused causal mask is exact, before and after eviction.
             return "causal" if L > 1 else None
         pos = self.positions[..., : self.rows]  # [B, Hkv, T]
         qpos = mx.arange(offset, offset + L, dtype=mx.int32)
@@ -195,32 +206,41 @@ class VeloxCache(_BaseCache):
 
     @property
     def state(self):
+        """Every array the cache holds, by name (what `save_cache` writes)."""
         if self.keys is None:
-            return []
+            return {}
         k, v = self._view()
-        if self.positions is None:
-            return [k, v]
-        return [k, v, self.positions[..., : self.rows]]
+        st = {"keys": k, "values": v}
+        if self.positions is not None:
+            st["positions"] = self.positions[..., : self.rows]
+        st.update(self.extra_state())
+        return st
 
     @state.setter
-    def state(self, v):
-        if not v:
-            self.keys = self.values = self.positions = None
-            self.rows = 0
-            return
-        self.keys, self.values = v[0], v[1]
-        self.positions = v[2] if len(v) > 2 else None
-        self.rows = self.keys.shape[2]
+    def state(self, st):
+        st = dict(st or {})
+        self.keys, self.values = st.pop("keys", None), st.pop("values", None)
+        self.positions = st.pop("positions", None)
+        self.rows = 0 if self.keys is None else self.keys.shape[2]
+        self.load_extra_state(st)
+
+    def extra_state(self) -> dict:
+        """Side arrays of an algorithm (accumulators, query buffers)."""
+        return {}
+
+    def load_extra_state(self, st: dict) -> None:
+        pass
 
     @property
     def meta_state(self):
         return {
             "algo": self.name,
             "options": json.dumps(self.options.as_dict()),
-            "offset": str(self.offset),
-            "layer": str(self.layer),
-            "num_layers": str(self.num_layers),
-            "in_prompt": str(int(self._in_prompt)),
+            "offset": self.offset,
+            "layer": self.layer,
+            "num_layers": self.num_layers,
+            "in_prompt": self._in_prompt,
+            "padded": self.padded,
         }
 
     @meta_state.setter
@@ -229,7 +249,15 @@ class VeloxCache(_BaseCache):
         self.offset = int(m["offset"])
         self.layer = int(m["layer"])
         self.num_layers = int(m["num_layers"])
-        self._in_prompt = bool(int(m["in_prompt"]))
+        self._in_prompt = bool(m["in_prompt"])
+        self.padded = bool(m["padded"])
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        cache = cls(cls.Options.create(cls.name, json.loads(meta_state["options"])))
+        cache.state = state
+        cache.meta_state = meta_state
+        return cache
 
     # ---- mlx-lm features that would silently drop the algorithm ---------------
     def to_quantized(self, group_size: int = 64, bits: int = 4):

@@ -6,6 +6,7 @@ from .base import VeloxCache
 
 class FullCache(VeloxCache):
     name = "full"
+    summary = "keeps everything; bit-identical to unpatched mlx-lm (parity reference)"
 
     def is_trimmable(self):
         return True  # speculative decoding and trim_prompt_cache rely on this

@@ -1,0 +1,120 @@
+"""What every evicting algorithm shares: a budget, protected sinks and recent rows,
+and the choice of which rows survive.
+
+Eviction is deferred: a call attends over everything stored plus its new tokens,
+then `after_attend` evicts. Rows stay in position order, so the fused attention's
+"causal" mask is exact after eviction (queries see every kept past row and the
+new rows up to themselves); an explicit per-head mask is built only when heads
+hold different row counts (padding).
+
+Algorithms override:
+  - `scores(q)`: importance of each stored row [B, Hkv, T], higher is kept;
+  - `compress_now(new_rows)`: whether to evict after this call (default: over budget);
+  - `row_budget()`: rows to keep per head (default: `budget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+
+from ..errors import OptionError
+from .base import CacheOptions, VeloxCache
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise OptionError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass
+class EvictionOptions(CacheOptions):
+    """`budget`: rows kept per layer and KV head, sinks and protected window
+    included. `sinks`: first tokens always kept."""
+
+    budget: int = 256
+    sinks: int = 4
+
+    def protected(self) -> int:
+        """Rows that are never evicted besides the scored ones."""
+        return self.sinks
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_int("sinks", self.sinks, 0)
+        _check_int("budget", self.budget, 1)
+        if self.budget <= self.protected():
+            raise OptionError(
+                f"budget ({self.budget}) must exceed the protected rows "
+                f"({self.protected()}: sinks and recent window)"
+            )
+
+
+class EvictingCache(VeloxCache):
+    Options = EvictionOptions
+    recent: int = 0  # rows at the end protected from eviction (subclasses set)
+
+    # ---- hooks ------------------------------------------------------------------
+    def scores(self, q) -> mx.array:
+        raise NotImplementedError
+
+    def row_budget(self) -> int:
+        return self.options.budget
+
+    def compress_now(self, new_rows: int) -> bool:
+        return self.rows > self.row_budget()
+
+    def after_attend(self, q, new_rows: int) -> None:
+        if self.compress_now(new_rows):
+            self.evict_to(self.row_budget(), self.scores(q))
+
+    # ---- machinery ----------------------------------------------------------------
+    def is_trimmable(self):
+        return False
+
+    def positions_view(self) -> mx.array:
+        """Absolute position of every stored row, [B, Hkv, T] int32."""
+        if self.positions is not None:
+            return self.positions[..., : self.rows]
+        B, H = self.keys.shape[:2]
+        # Dense: row t holds the token at position offset - rows + t.
+        start = self.offset - self.rows
+        return mx.broadcast_to(
+            mx.arange(start, start + self.rows, dtype=mx.int32), (B, H, self.rows)
+        )
+
+    def protected_mask(self, pos: mx.array) -> mx.array:
+        """Rows never evicted: the sinks and the `recent` newest rows."""
+        keep = pos < self.options.sinks
+        if self.recent:
+            keep = keep | (pos >= self.offset - self.recent)
+        return keep
+
+    def evict_to(self, n_keep: int, scores: mx.array) -> None:
+        """Keep, per (batch, KV head), the protected rows and the best-scored rest."""
+        if self.rows <= n_keep:
+            return
+        pos = self.positions_view()
+        s = mx.where(self.protected_mask(pos), mx.inf, scores.astype(mx.float32))
+        idx = mx.argpartition(-s, kth=n_keep - 1, axis=-1)[..., :n_keep]
+        self.keep_rows(mx.sort(idx, axis=-1), pos)
+
+    def keep_rows(self, idx: mx.array, pos: mx.array | None = None) -> None:
+        """Keep rows `idx` [B, Hkv, K] (ascending) of every head, in that order."""
+        if pos is None:
+            pos = self.positions_view()
+        keys, values = self._view()
+        self.keys = mx.take_along_axis(keys, idx[..., None], axis=2)
+        self.values = mx.take_along_axis(values, idx[..., None], axis=2)
+        self.positions = mx.take_along_axis(pos, idx, axis=2)
+        self.rows = idx.shape[-1]
+
+    def _capacity(self, needed: int) -> int:
+        # Spare capacity is memory held: never allocate past what will be kept,
+        # and once rows are evicted grow exactly.
+        if self.positions is not None:
+            return needed
+        return min(super()._capacity(needed), max(needed, self.row_budget()))

@@ -1,0 +1,39 @@
+"""`knorm` (Devoto et al., 2024): keep the keys with the lowest L2 norm per KV head.
+
+Low-norm keys tend to receive high attention. RoPE is a rotation, so the norm of
+the stored (rotated) key equals that of the pre-RoPE key.
+"""
+
+import dataclasses
+
+import mlx.core as mx
+
+from .eviction import EvictingCache, EvictionOptions, _check_int
+
+
+@dataclasses.dataclass
+class KNormOptions(EvictionOptions):
+    """`recent`: newest rows protected from eviction (default 0)."""
+
+    recent: int = 0
+
+    def protected(self):
+        return self.sinks + self.recent
+
+    def __post_init__(self):
+        _check_int("recent", self.recent, 0)
+        super().__post_init__()
+
+
+class KNormCache(EvictingCache):
+    name = "knorm"
+    summary = "lowest key L2 norm per KV head, sinks protected (no queries needed)"
+    Options = KNormOptions
+
+    @property
+    def recent(self):
+        return self.options.recent
+
+    def scores(self, q):
+        keys, _ = self._view()
+        return -mx.linalg.norm(keys.astype(mx.float32), axis=-1)

@@ -1,0 +1,164 @@
+"""`veloxpatch` command line. User errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from . import blas
+
+
+def _user_errors(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        from .errors import VeloxpatchError
+
+        try:
+            return fn(*args, **kwargs)
+        except (VeloxpatchError, FileNotFoundError) as e:
+            click.echo(f"veloxpatch: error: {e}", err=True)
+            sys.exit(2)
+
+    return run
+
+
+def parse_value(text: str):
+    """Option values from the command line: int, float, bool, none or string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_pairs(pairs) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}")
+        out[key.strip()] = parse_value(value.strip())
+    return out
+
+
+@click.group()
+@click.version_option(package_name="veloxpatch")
+def main():
+    """Query-aware KV-cache compression for mlx-lm models."""
+    blas.preload()  # before anything below imports mlx
+
+
+@main.command()
+@click.option(
+    "--model",
+    default=None,
+    help="GGUF file, mlx-lm model dir or hub id "
+    "(default: the embedded SmolLM2-135M-Instruct)",
+)
+@click.option("--algo", default="full", show_default=True)
+@click.option("--budget", type=int, default=None, help="KV rows kept per head")
+@click.option(
+    "--algo-arg",
+    "algo_args",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="algorithm option, repeatable",
+)
+@click.option("--prompt", default=None, help="prompt text (default: read stdin)")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temp", type=float, default=0.0, show_default=True)
+@click.option(
+    "--chat/--no-chat",
+    default=None,
+    help="apply the chat template (default: when the model has one)",
+)
+@click.option(
+    "--quantized/--dequantized",
+    default=None,
+    help="keep quantized weights (default: dequantize on the CPU)",
+)
+@_user_errors
+def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, quantized):
+    """Patch the model with ALGO and stream a generation, then print stats."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from .api import algorithm, apply
+    from .memory import full_kv_bytes, kv_bytes
+    from .models import load
+
+    options = parse_pairs(algo_args)
+    if budget is not None:
+        options["budget"] = budget
+    algorithm(algo).Options.create(algo, options)  # fail before the slow load
+    if prompt is None:
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise click.UsageError("empty prompt: give --prompt or pipe text on stdin")
+    m, tokenizer = load(model, quantized=quantized)
+    if chat is None:
+        chat = getattr(tokenizer, "chat_template", None) is not None
+    if chat:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    with apply(m, algo=algo, **options) as patch:
+        caches = patch.make_cache()
+        last = None
+        for last in stream_generate(
+            m,
+            tokenizer,
+            prompt,
+            max_tokens=max_tokens,
+            sampler=make_sampler(temp=temp),
+            prompt_cache=caches,
+        ):
+            click.echo(last.text, nl=False)
+        click.echo()
+    if last is not None:
+        click.echo(
+            f"[{algo}] prompt {last.prompt_tokens} tok | generated "
+            f"{last.generation_tokens} tok | prefill {last.prompt_tps:.1f} tok/s | "
+            f"decode {last.generation_tps:.1f} tok/s | KV held {kv_bytes(caches):,} B"
+            f" | full KV {full_kv_bytes(caches):,} B",
+            err=True,
+        )
+
+
+@main.command("list")
+@click.option("--verbose", "-v", is_flag=True, help="also versions and BLAS")
+def list_(verbose):
+    """Algorithms and supported architectures."""
+    from model_adapters import ADAPTERS
+
+    from .api import ALGORITHMS
+
+    click.echo("algorithms:")
+    for name, cls in ALGORITHMS.items():
+        click.echo(f"  {name:<14} {cls.summary}")
+    click.echo("architectures (mlx-lm model types):")
+    for adapter in ADAPTERS:
+        click.echo(f"  {adapter.name:<14} {', '.join(adapter.model_types)}")
+    if verbose:
+        import mlx.core as mx
+        import mlx_lm
+
+        click.echo(
+            f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, "
+            f"device {mx.default_device()}"
+        )
+        click.echo(f"BLAS: {blas.active()}")
+
+
+if __name__ == "__main__":
+    main()

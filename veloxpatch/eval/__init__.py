@@ -1,0 +1,1 @@
+"""Evaluation primitives: real text, perplexity, passkey cases, agreement."""

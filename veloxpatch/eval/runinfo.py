@@ -1,0 +1,38 @@
+"""What every results file records about the run: versions and the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+
+
+def run_info() -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    import veloxpatch
+    from veloxpatch import blas
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(__file__),
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "veloxpatch": veloxpatch.__version__,
+        "git_commit": commit,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "device": str(mx.default_device()),
+        "blas": blas.active(),
+    }
