@@ -15,7 +15,8 @@ def test_full_is_bit_identical(arch):
     model = tiny_model(arch)
     prompt = prompt_tokens(45)
     ref_toks, ref_lp = greedy(model, prompt, n=20, prefill_step_size=7)
-    assert len(set(ref_toks)) > 3, "degenerate reference; the test would be weak"
+    # Rows differ step to step, so matching them all is not a trivial check.
+    assert max_abs(ref_lp[1:], ref_lp[:-1]) > 1e-2
     with veloxpatch.patched(model, algo="full") as patch:
         caches = patch.make_cache()
         toks, lp = greedy(model, prompt, n=20, prefill_step_size=7, prompt_cache=caches)

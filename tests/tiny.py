@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes
 
 VOCAB = 97
-SHARPEN = 2.0
+SHARPEN = 1.5
 _COMMON = dict(
     hidden_size=64,
     num_hidden_layers=3,

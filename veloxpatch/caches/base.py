@@ -263,8 +263,8 @@ class VeloxCache(_BaseCache):
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         raise UnsupportedCacheOperation(
             "mlx-lm's kv_bits quantization is not supported with veloxpatch caches "
-            "(it would replace them with a plain cache); use "
-            "apply(model, algo=..., kv_bits=...) or algo='kivi' instead"
+            "(it would silently swap them for a plain quantized cache); drop "
+            "kv_bits, or restore the patch to use mlx-lm's QuantizedKVCache"
         )
 
     @classmethod

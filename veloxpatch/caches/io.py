@@ -28,10 +28,11 @@ def save_cache(path: str, caches, metadata: dict | None = None) -> None:
         else:
             if getattr(mlx_cache, type(c).__name__, None) is not type(c):
                 raise VeloxpatchError(f"cannot save cache of type {type(c).__name__}")
+            meta = getattr(c, "meta_state", None)  # not every mlx-lm cache has one
             entry = {
                 "kind": "mlx_lm",
                 "class": type(c).__name__,
-                "meta": list(c.meta_state),
+                "meta": list(meta) if meta is not None else None,
             }
             flat = tree_flatten(c.state)
         entry["scalars"] = {}
@@ -70,6 +71,7 @@ def load_cache(path: str, return_metadata: bool = False):
             cls = getattr(mlx_cache, entry["class"])
             state = tree_unflatten(flat) if flat and flat[0][0].isdigit() else flat
             c = cls.from_state(state)
-            c.meta_state = tuple(entry["meta"])
+            if entry["meta"] is not None:
+                c.meta_state = tuple(entry["meta"])
             caches.append(c)
     return (caches, info["metadata"]) if return_metadata else caches
