@@ -14,6 +14,8 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
+from .errors import VeloxpatchError
+
 CONVERT_HINT = (
     "Convert the original Hugging Face checkpoint with "
     "`mlx_lm.convert --hf-path <hf repo>` and pass the output directory instead."
@@ -43,7 +45,7 @@ _TOP_NAMES = {
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(VeloxpatchError):
     """A model could not be loaded; the message says why and what to do instead."""
 
 

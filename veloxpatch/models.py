@@ -48,13 +48,8 @@ def embedded_model_path() -> Path:
 
 
 def _looks_like_path(name: str) -> bool:
-    # Hub ids are "org/name"; anything else with separators is a local path.
-    return (
-        name.startswith(("/", ".", "~"))
-        or "\\" in name
-        or name.count("/") > 1
-        or os.sep != "/" and os.sep in name
-    )
+    # Hub ids are "org/name"; a missing "dir/model" is taken for a hub id.
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
 
 
 def load(model=None, *, quantized: bool | None = None):
