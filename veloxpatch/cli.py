@@ -24,31 +24,6 @@ def _user_errors(fn):
     return run
 
 
-def parse_value(text: str):
-    """Option values from the command line: int, float, bool, none or string."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_pairs(pairs) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}")
-        out[key.strip()] = parse_value(value.strip())
-    return out
-
-
 @click.group()
 @click.version_option(package_name="veloxpatch")
 def main():
@@ -92,6 +67,7 @@ def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, qua
     from mlx_lm.sample_utils import make_sampler
 
     from .api import algorithm, apply
+    from .eval.arms import parse_pairs
     from .memory import full_kv_bytes, kv_bytes
     from .models import load
 

@@ -2,7 +2,7 @@
 with the standard library (`pydoc_data.topics`, ~465k characters).
 
 Topics are split by sorted name into a calibration half and an evaluation half
-that never overlap: calibration (Q-Filters, A2ATS) reads only the first, every
+that share no paragraph: calibration (Q-Filters, A2ATS) reads only the first, every
 quality measurement only the second.
 """
 
@@ -17,17 +17,33 @@ SPLITS = ("calibration", "evaluation")
 def prose(split: str = "evaluation") -> str:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    calibration, evaluation = _halves()
+    return calibration if split == "calibration" else evaluation
+
+
+def _halves() -> tuple[str, str]:
     from pydoc_data.topics import topics
 
     names = sorted(topics)
     half = len(names) // 2
-    chosen = names[:half] if split == "calibration" else names[half:]
-    # Collapse the reST layout whitespace; keep paragraphs as single lines.
-    parts = []
-    for name in chosen:
-        paragraphs = [" ".join(p.split()) for p in topics[name].split("\n\n")]
-        parts.append("\n".join(p for p in paragraphs if p))
-    return "\n\n".join(parts)
+    seen: set[str] = set()
+    out = []
+    for chosen in (names[:half], names[half:]):
+        parts = []
+        for name in chosen:
+            # Collapse the reST layout; topics repeat whole paragraphs (e.g. the
+            # naming rules appear under several names), so each paragraph is
+            # used once, and never in both halves.
+            paragraphs = []
+            for p in topics[name].split("\n\n"):
+                p = " ".join(p.split())
+                if p and p not in seen:
+                    seen.add(p)
+                    paragraphs.append(p)
+            if paragraphs:
+                parts.append("\n".join(paragraphs))
+        out.append("\n\n".join(parts))
+    return out[0], out[1]
 
 
 def prose_tokens(tokenizer, n: int, split: str = "evaluation", start: int = 0):
@@ -36,6 +52,10 @@ def prose_tokens(tokenizer, n: int, split: str = "evaluation", start: int = 0):
     if start + n > len(ids):
         raise ValueError(f"only {len(ids)} tokens of {split} prose, asked {start + n}")
     return ids[start : start + n]
+
+
+def prose_length(tokenizer, split: str = "evaluation") -> int:
+    return len(_encoded(tokenizer, split))
 
 
 _ENCODED: dict = {}

@@ -1,0 +1,78 @@
+"""The evaluation primitives, on a tiny model (fast) and the SmolLM2 tokenizer."""
+
+import pytest
+from conftest import smollm
+from tiny import prompt_tokens, tiny_model
+
+from veloxpatch.eval.arms import expand, parse_arm
+from veloxpatch.eval.metrics import Arm, evaluate_continuation
+from veloxpatch.eval.passkey import make_case, make_cases, wilson
+from veloxpatch.eval.text import prose
+
+
+def test_prose_halves_do_not_overlap():
+    cal, ev = prose("calibration"), prose("evaluation")
+    assert len(cal) > 150_000 and len(ev) > 150_000
+    cal_paras = set(p for p in cal.split("\n") if len(p) > 80)
+    ev_paras = set(p for p in ev.split("\n") if len(p) > 80)
+    assert not cal_paras & ev_paras
+
+
+def test_broken_arm_scores_worse_than_full():
+    model = tiny_model("llama")
+    ids = prompt_tokens(120).tolist()
+    context, cont = ids[:90], ids[90:]
+    full, good, broken = evaluate_continuation(
+        model,
+        [
+            Arm("full"),
+            Arm("knorm", {"budget": 80}),
+            Arm("streaming_llm", {"budget": 1, "sinks": 0}),
+        ],
+        context,
+        cont,
+        prefill_step_size=32,
+    )
+    assert full.agreement == 1.0 and abs(full.kl) < 1e-6
+    assert broken.perplexity > full.perplexity * 1.05
+    assert broken.agreement < 0.9 and broken.kl > 10 * max(good.kl, 1e-4)
+    assert broken.kv_bytes < good.kv_bytes < full.kv_bytes
+    assert full.prefill_step_size == 32 and broken.options == {"budget": 1, "sinks": 0}
+
+
+def test_arm_syntax():
+    arm = parse_arm("knorm:budget=256,recent=8")
+    assert arm == Arm("knorm", {"budget": 256, "recent": 8})
+    assert arm.label == "knorm:budget=256,recent=8"
+    arms = expand(["full", "knorm", "streaming_llm:budget=64"], [128, 256])
+    assert [a.label for a in arms] == [
+        "full",
+        "knorm:budget=128",
+        "knorm:budget=256",
+        "streaming_llm:budget=64",
+    ]
+
+
+def test_wilson_interval():
+    lo, hi = wilson(8, 10)
+    assert lo == pytest.approx(0.490, abs=1e-3) and hi == pytest.approx(0.943, abs=1e-3)
+    assert wilson(0, 30)[0] == 0.0 and wilson(30, 30)[1] == 1.0
+
+
+@smollm
+def test_passkey_cases_are_seeded_and_placed(loaded):
+    _, tokenizer = loaded
+    cases = make_cases(tokenizer, 5, context_tokens=600, seed=3)
+    again = make_cases(tokenizer, 5, context_tokens=600, seed=3)
+    assert [c.prompt for c in cases] == [c.prompt for c in again]
+    assert len({c.key for c in cases}) == 5
+    assert [round(c.depth, 3) for c in cases] == [0.05, 0.275, 0.5, 0.725, 0.95]
+    for c in cases:
+        text = tokenizer.decode(c.prompt)
+        assert text.startswith("<|im_start|>") and "pass key?" in text[-120:]
+        where = text.index(c.key) / len(text)
+        assert abs(where - c.depth) < 0.15
+        assert 550 <= len(c.prompt) <= 700
+    shallow = make_case(tokenizer, 600, 0.05, seed=1)
+    assert shallow.correct(f"The pass key is {shallow.key}.")
+    assert not shallow.correct("12345")

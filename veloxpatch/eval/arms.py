@@ -1,0 +1,49 @@
+"""Arms written `NAME[:key=value,...]`, e.g. `snapkv:budget=256,window=16`."""
+
+from __future__ import annotations
+
+from ..errors import OptionError
+from .metrics import Arm
+
+
+def parse_value(text: str):
+    """Option values from text: int, float, bool, none or string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_pairs(pairs) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise OptionError(f"expected KEY=VALUE, got {pair!r}")
+        out[key.strip()] = parse_value(value.strip())
+    return out
+
+
+def parse_arm(text: str) -> Arm:
+    name, _, rest = text.strip().partition(":")
+    pairs = [p for p in rest.split(",") if p.strip()] if rest else []
+    return Arm(name.strip(), parse_pairs(pairs))
+
+
+def expand(arm_texts, budgets=()) -> list[Arm]:
+    """Parse arms; an arm without a budget (other than `full`) gets each budget."""
+    arms = []
+    for text in arm_texts:
+        arm = parse_arm(text)
+        if budgets and arm.algo != "full" and "budget" not in arm.options:
+            arms += [Arm(arm.algo, {**arm.options, "budget": b}) for b in budgets]
+        else:
+            arms.append(arm)
+    return arms

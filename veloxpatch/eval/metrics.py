@@ -1,0 +1,137 @@
+"""Teacher-forced quality metrics of a patched model against the uncompressed one.
+
+The context is prefilled in chunks of `prefill_step_size` (its last token alone,
+as mlx-lm does), then the continuation is fed one token per call, so eviction
+during decode happens exactly as in generation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+
+from .. import api
+
+
+@dataclass
+class Arm:
+    """An algorithm with its options, e.g. Arm("knorm", {"budget": 256})."""
+
+    algo: str = "full"
+    options: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.algo}:{opts}" if opts else self.algo
+
+
+def prefill(model, caches, ids, prefill_step_size: int = 2048) -> mx.array:
+    """Process `ids` like mlx-lm's generate_step: chunks, then the last token alone.
+    Returns the logits of the last token [V]."""
+    ids = list(ids)
+    start = 0
+    while len(ids) - start > 1:
+        n = min(prefill_step_size, len(ids) - start - 1)
+        model(mx.array(ids[start : start + n])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        start += n
+    return model(mx.array(ids[start:])[None], cache=caches)[0, -1]
+
+
+def continuation_logprobs(model, caches, context, continuation, prefill_step_size=2048):
+    """Log-probabilities [T, V] of each continuation position, teacher-forced."""
+    logits = prefill(model, caches, context, prefill_step_size)
+    rows = [logits - mx.logsumexp(logits)]
+    mx.eval(rows[-1])
+    for tok in continuation[:-1]:
+        logits = model(mx.array([[tok]]), cache=caches)[0, -1]
+        rows.append(logits - mx.logsumexp(logits))
+        mx.eval(rows[-1])
+    return mx.stack(rows).astype(mx.float32)
+
+
+def arm_logprobs(model, arm: Arm, context, continuation, prefill_step_size=2048):
+    with api.patched(model, algo=arm.algo, **arm.options) as patch:
+        caches = patch.make_cache()
+        lp = continuation_logprobs(
+            model, caches, context, continuation, prefill_step_size
+        )
+        kv = sum(c.nbytes for c in caches)
+    return lp, kv
+
+
+def perplexity(logprobs: mx.array, continuation) -> float:
+    nll = -mx.take_along_axis(logprobs, mx.array(continuation)[:, None], axis=1)
+    return math.exp(nll.mean().item())
+
+
+def agreement_and_kl(logprobs: mx.array, reference: mx.array) -> tuple[float, float]:
+    """Top-1 agreement with the reference's greedy tokens and mean KL(ref || arm)."""
+    agree = (mx.argmax(logprobs, -1) == mx.argmax(reference, -1)).mean().item()
+    kl = (mx.exp(reference) * (reference - logprobs)).sum(-1).mean().item()
+    return agree, kl
+
+
+def greedy_continuation(model, context, n: int, prefill_step_size=2048) -> list[int]:
+    """The uncompressed model's greedy continuation (the agreement reference)."""
+    with api.patched(model, algo="full") as patch:
+        caches = patch.make_cache()
+        logits = prefill(model, caches, context, prefill_step_size)
+        out = []
+        for _ in range(n):
+            out.append(int(mx.argmax(logits).item()))
+            logits = model(mx.array([[out[-1]]]), cache=caches)[0, -1]
+    return out
+
+
+@dataclass
+class ContinuationResult:
+    arm: str
+    algo: str
+    options: dict
+    context_tokens: int
+    continuation_tokens: int
+    prefill_step_size: int
+    perplexity: float
+    agreement: float
+    kl: float
+    kv_bytes: int
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def evaluate_continuation(
+    model, arms, context, continuation, prefill_step_size=2048, reference=None
+):
+    """Perplexity, agreement and KL of every arm on one context/continuation."""
+    reference_kv = None
+    if reference is None:
+        reference, reference_kv = arm_logprobs(
+            model, Arm("full"), context, continuation, prefill_step_size
+        )
+    results = []
+    for arm in arms:
+        if arm.algo == "full" and not arm.options and reference_kv is not None:
+            lp, kv = reference, reference_kv  # the reference is this arm
+        else:
+            lp, kv = arm_logprobs(model, arm, context, continuation, prefill_step_size)
+        agree, kl = agreement_and_kl(lp, reference)
+        results.append(
+            ContinuationResult(
+                arm.label,
+                arm.algo,
+                dict(arm.options),
+                len(context),
+                len(continuation),
+                prefill_step_size,
+                perplexity(lp, continuation),
+                agree,
+                kl,
+                kv,
+            )
+        )
+    return results

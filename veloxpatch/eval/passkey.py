@@ -1,0 +1,93 @@
+"""Seeded passkey retrieval cases: a five-digit key hidden at a chosen depth of
+real prose, the question at the end, wrapped in the chat template."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from .text import prose_length, prose_tokens
+
+INTRO = (
+    "There is a pass key hidden inside a long text. Read it all, find the pass key "
+    "and remember it.\n\n"
+)
+NEEDLE = " The pass key is {key}. Remember it: {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key? Answer with the five digits only."
+
+
+@dataclass
+class PasskeyCase:
+    prompt: list[int]  # token ids, chat template applied
+    key: str
+    depth: float  # where the needle sits in the prose, 0..1
+    seed: int
+
+    def correct(self, answer: str) -> bool:
+        return self.key in answer.replace(" ", "")
+
+
+def make_case(
+    tokenizer,
+    context_tokens: int,
+    depth: float,
+    seed: int,
+    text_split: str = "evaluation",
+    chat: bool | None = None,
+) -> PasskeyCase:
+    rng = random.Random(seed)
+    key = str(rng.randint(10000, 99999))
+    # Each case reads its own stretch of prose, chosen by the seed.
+    filler_len = context_tokens - 80
+    start = rng.randint(0, prose_length(tokenizer, text_split) - filler_len)
+    filler = prose_tokens(tokenizer, filler_len, text_split, start=start)
+    cut = int(round(depth * filler_len))
+    before = tokenizer.decode(filler[:cut])
+    after = tokenizer.decode(filler[cut:])
+    body = INTRO + before + NEEDLE.format(key=key) + after + QUESTION
+    if chat is None:
+        chat = getattr(tokenizer, "chat_template", None) is not None
+    if chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": body}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(body + "\nThe pass key is")
+    return PasskeyCase(ids, key, depth, seed)
+
+
+def make_cases(
+    tokenizer,
+    n: int,
+    context_tokens: int = 1500,
+    seed: int = 0,
+    depths=(0.05, 0.95),
+    text_split: str = "evaluation",
+):
+    """`n` cases with depths spread evenly over [depths[0], depths[1]]."""
+    lo, hi = depths
+    return [
+        make_case(
+            tokenizer,
+            context_tokens,
+            lo + (hi - lo) * i / max(1, n - 1),
+            seed * 100_003 + i,
+            text_split,
+        )
+        for i in range(n)
+    ]
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
