@@ -13,7 +13,7 @@ import weakref
 from mlx_lm.models.cache import KVCache
 
 from . import patcher
-from .caches import ALGORITHMS
+from .caches import ALGORITHMS, VeloxCache
 from .errors import OptionError, PatchStateError, UnsupportedModelError
 
 _MISSING = object()
@@ -82,9 +82,8 @@ class Patch:
         if caches is None:
             caches = [r() for r in self._last_caches]
         for c in caches:
-            if c is not None and hasattr(c, "end_prompt") and hasattr(c, "attend"):
-                c._in_prompt = False
-                c.end_prompt()
+            if isinstance(c, VeloxCache):
+                c.close_prompt()
 
     # -- lifecycle ----------------------------------------------------------------
     def _install(self) -> None:

@@ -59,8 +59,9 @@ class VeloxCache(_BaseCache):
     Hooks for algorithms:
       - `attention(q, keys, values, mask, scale)`: how to attend (default: fused SDPA);
       - `after_attend(q, new_rows)`: called after every call, evict here;
-      - `end_prompt()`: the prompt is over (first single-token call after a
-        multi-token one, or `Patch.end_prompt()`).
+      - `end_prompt()`: the prompt is over: when the call after mlx-lm's lone
+        last prompt token arrives (see `_resolve_prompt_end`), or on
+        `Patch.end_prompt()`.
     """
 
     name: ClassVar[str] = "base"
@@ -80,28 +81,48 @@ class VeloxCache(_BaseCache):
         self.rows = 0  # rows in use (the same for every head; short heads pad)
         self.padded = False  # some heads hold padding rows (PAD_POSITION)
         self.offset = 0  # tokens seen = absolute position of the next token
-        self._in_prompt = False
+        self._in_prompt = False  # the last calls were prompt chunks
+        self._end_pending = False  # a lone token may have ended the prompt
+        self._state_read = False  # `state` was read since the last call
+        self.scale = None  # the softmax scale of the layer, known after a call
 
     # ---- the patched forward calls this -------------------------------------
     def attend(self, q, k, v, *, rope, scale, query_scale=None):
         L = q.shape[2]
         if L > 1 and self.rows and k.shape[0] != self.keys.shape[0]:
             raise PatchStateError("batch size changed while the cache holds tokens")
-        if L == 1 and self._in_prompt:
-            self._in_prompt = False
-            self.end_prompt()
+        self._resolve_prompt_end(L)
         offset = self.offset
         q = rope(q, offset=offset)
         k = rope(k, offset=offset)
         if query_scale is not None:
             q = q * query_scale
         keys, values = self._append(k, v, offset)
+        self.scale = scale
         out = self.attention(q, keys, values, self._mask(L, offset, q.shape[1]), scale)
         self.offset = offset + L
-        if L > 1:
-            self._in_prompt = True
         self.after_attend(q, L)
+        self._end_pending = L == 1 and self._in_prompt
+        self._in_prompt = L > 1 or self._end_pending
+        self._state_read = False
         return out
+
+    def _resolve_prompt_end(self, L: int) -> None:
+        """mlx-lm sends the last prompt token alone, but may also send a lone token
+        just before it (when len(prompt) - 1 = 1 mod prefill_step_size). It reads
+        `state` after every prefill chunk and never during decode, so a lone call
+        followed by a `state` read was a chunk; otherwise it ended the prompt, and
+        `end_prompt` runs now, before the next call attends."""
+        if self._end_pending and not self._state_read:
+            self._in_prompt = False
+            self.end_prompt()
+        self._end_pending = False
+
+    def close_prompt(self) -> None:
+        """The caller says the prompt is over (`Patch.end_prompt()`)."""
+        if self._in_prompt or self._end_pending:
+            self._in_prompt = self._end_pending = False
+            self.end_prompt()
 
     # ---- hooks ----------------------------------------------------------------
     def attention(self, q, keys, values, mask, scale):
@@ -207,6 +228,10 @@ class VeloxCache(_BaseCache):
     @property
     def state(self):
         """Every array the cache holds, by name (what `save_cache` writes)."""
+        self._state_read = True  # mlx-lm reads it after each prefill chunk
+        return self.arrays()
+
+    def arrays(self) -> dict:
         if self.keys is None:
             return {}
         k, v = self._view()
@@ -240,6 +265,7 @@ class VeloxCache(_BaseCache):
             "layer": self.layer,
             "num_layers": self.num_layers,
             "in_prompt": self._in_prompt,
+            "end_pending": self._end_pending,
             "padded": self.padded,
         }
 
@@ -250,6 +276,7 @@ class VeloxCache(_BaseCache):
         self.layer = int(m["layer"])
         self.num_layers = int(m["num_layers"])
         self._in_prompt = bool(m["in_prompt"])
+        self._end_pending = bool(m["end_pending"])
         self.padded = bool(m["padded"])
 
     @classmethod

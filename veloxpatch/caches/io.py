@@ -24,7 +24,7 @@ def save_cache(path: str, caches, metadata: dict | None = None) -> None:
     for i, c in enumerate(caches):
         if isinstance(c, VeloxCache):
             entry = {"kind": "veloxpatch", "algo": c.name, "meta": c.meta_state}
-            flat = list(c.state.items())
+            flat = list(c.arrays().items())
         else:
             if getattr(mlx_cache, type(c).__name__, None) is not type(c):
                 raise VeloxpatchError(f"cannot save cache of type {type(c).__name__}")
