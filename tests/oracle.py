@@ -19,51 +19,50 @@ import veloxpatch
 from veloxpatch.caches.base import VeloxCache
 
 
-def _visible_rows(cache, B, H):
-    """Positions each KV head holds before a call, as a list of int arrays (B=1)."""
-    if cache.empty():
-        return [np.zeros(0, np.int64) for _ in range(H)]
-    pos = np.array(
-        cache.positions_view()
-        if hasattr(cache, "positions_view")
-        else mx.broadcast_to(mx.arange(cache.rows), (B, H, cache.rows))
-    )
-    return [p[p < 2**31 - 1] for p in pos[0]]
+def _record_attention(cache, log):
+    """Record, at every attention call, the positions each KV head can see."""
+    original = cache.attention
+
+    def attention(q, keys, values, mask, scale):
+        pos = np.array(cache.positions_view())[0]  # B = 1: [Hkv, T]
+        log.append((cache.offset, q.shape[2], pos))
+        return original(q, keys, values, mask, scale)
+
+    cache.attention = attention  # instance attribute: this cache only
 
 
 def run_patched(model, tokens, chunks, algo, end_prompt=False, **options):
-    """Logits of every token and, per layer, a [Hkv, N, N] visibility mask."""
+    """Logits of every token and, per layer, a [Hkv, N, N] visibility mask built
+    from what each attention call really held (kept rows plus the new ones)."""
     N = len(tokens)
     with veloxpatch.patched(model, algo=algo, **options) as patch:
         caches = patch.make_cache()
+        logs = [[] for _ in caches]
+        for c, log in zip(caches, logs):
+            if not isinstance(c, VeloxCache):
+                raise AssertionError("oracle expects veloxpatch caches on all layers")
+            _record_attention(c, log)
         sizes = list(chunks) + [1] * (N - sum(chunks))
-        masks, outs, start = None, [], 0
+        outs, start = [], 0
         for i, L in enumerate(sizes):
             if end_prompt and i == len(chunks):
                 patch.end_prompt(caches)
-            before = []
-            for c in caches:
-                if not isinstance(c, VeloxCache):
-                    raise AssertionError(
-                        "oracle expects veloxpatch caches on all layers"
-                    )
-                before.append(c)
             x = mx.array(tokens[start : start + L])[None]
-            snapshot = None
-            if masks is not None:
-                snapshot = [_visible_rows(c, 1, masks[0].shape[0]) for c in caches]
             outs.append(model(x, cache=caches)[0])
-            mx.eval(outs[-1])
-            if masks is None:
-                H = caches[0].keys.shape[1]
-                masks = [np.zeros((H, N, N), bool) for _ in caches]
-                snapshot = [[np.zeros(0, np.int64)] * H for _ in caches]
-            for layer, rows in enumerate(snapshot):
-                for h, kept in enumerate(rows):
-                    for q in range(start, start + L):
-                        masks[layer][h, q, kept] = True
-                        masks[layer][h, q, start : q + 1] = True
+            mx.eval(outs[-1], [c.state for c in caches] if L > 1 else [])
             start += L
+        masks = []
+        for log in logs:
+            H = log[0][2].shape[0]
+            m = np.zeros((H, N, N), bool)
+            for offset, L, pos in log:
+                for h in range(H):
+                    p = pos[h][pos[h] < 2**31 - 1]
+                    for q in range(offset, offset + L):
+                        m[h, q, p[p <= q]] = True
+            masks.append(m)
+        for c in caches:
+            del c.attention
         return mx.concatenate(outs, axis=0), masks, caches
 
 

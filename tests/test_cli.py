@@ -20,10 +20,10 @@ def test_list_shows_algorithms_and_architectures():
 def test_unknown_algorithm_is_one_line_exit_2():
     out = run("generate", "--algo", "nope", "--prompt", "hi")
     assert out.exit_code == 2
-    assert out.output.strip().splitlines() == [
-        "veloxpatch: error: unknown algorithm 'nope'; available: full, "
-        "streaming_llm, knorm"
-    ]
+    lines = out.output.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("veloxpatch: error: unknown algorithm 'nope'; ")
+    assert "available: full, streaming_llm, knorm" in lines[0]
 
 
 def test_bad_option_is_one_line_exit_2():

@@ -102,6 +102,9 @@ class VeloxCache(_BaseCache):
         out = self.attention(q, keys, values, self._mask(L, offset, q.shape[1]), scale)
         self.offset = offset + L
         self.after_attend(q, L)
+        side = self.side_arrays()
+        if side:  # evaluated with the logits, so lazy graphs never pile up
+            out = mx.depends(out, side)
         self._end_pending = L == 1 and self._in_prompt
         self._in_prompt = L > 1 or self._end_pending
         self._state_read = False
@@ -135,6 +138,11 @@ class VeloxCache(_BaseCache):
 
     def end_prompt(self) -> None:
         pass
+
+    def side_arrays(self) -> list:
+        """Arrays the attention output does not depend on but must be evaluated
+        every step (positions, query buffers, accumulators)."""
+        return [] if self.positions is None else [self.positions]
 
     # ---- storage --------------------------------------------------------------
     def _append(self, k, v, offset):
@@ -189,6 +197,14 @@ class VeloxCache(_BaseCache):
         mask = pos[:, :, None, :] <= qpos[None, None, :, None]  # [B, Hkv, L, T]
         n_rep = n_q_heads // pos.shape[1]
         return mx.repeat(mask, n_rep, axis=1) if n_rep > 1 else mask
+
+    def positions_view(self) -> mx.array:
+        """Absolute position of every stored row, [B, Hkv, T] int32."""
+        if self.positions is not None:
+            return self.positions[..., : self.rows]
+        B, H = self.keys.shape[:2]
+        # Nothing evicted yet: row t holds the token at position t.
+        return mx.broadcast_to(mx.arange(self.rows, dtype=mx.int32), (B, H, self.rows))
 
     @property
     def evicted(self) -> bool:

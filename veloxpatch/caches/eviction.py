@@ -20,7 +20,7 @@ import dataclasses
 import mlx.core as mx
 
 from ..errors import OptionError
-from .base import CacheOptions, VeloxCache
+from .base import PAD_POSITION, CacheOptions, VeloxCache
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -75,32 +75,37 @@ class EvictingCache(VeloxCache):
     def is_trimmable(self):
         return False
 
-    def positions_view(self) -> mx.array:
-        """Absolute position of every stored row, [B, Hkv, T] int32."""
-        if self.positions is not None:
-            return self.positions[..., : self.rows]
-        B, H = self.keys.shape[:2]
-        # Dense: row t holds the token at position offset - rows + t.
-        start = self.offset - self.rows
-        return mx.broadcast_to(
-            mx.arange(start, start + self.rows, dtype=mx.int32), (B, H, self.rows)
-        )
-
     def protected_mask(self, pos: mx.array) -> mx.array:
         """Rows never evicted: the sinks and the `recent` newest rows."""
         keep = pos < self.options.sinks
         if self.recent:
-            keep = keep | (pos >= self.offset - self.recent)
+            keep = keep | ((pos >= self.offset - self.recent) & (pos != PAD_POSITION))
         return keep
 
-    def evict_to(self, n_keep: int, scores: mx.array) -> None:
-        """Keep, per (batch, KV head), the protected rows and the best-scored rest."""
-        if self.rows <= n_keep:
+    def evict_to(self, n_keep: int, scores: mx.array, counts=None) -> None:
+        """Keep, per (batch, KV head), the protected rows and the best-scored rest.
+
+        With `counts` [B, Hkv] head h keeps only counts[b, h] <= n_keep rows and
+        the rest of its n_keep slots are padding, masked out by position."""
+        if self.rows <= n_keep and counts is None:
             return
         pos = self.positions_view()
-        s = mx.where(self.protected_mask(pos), mx.inf, scores.astype(mx.float32))
-        idx = mx.argpartition(-s, kth=n_keep - 1, axis=-1)[..., :n_keep]
-        self.keep_rows(mx.sort(idx, axis=-1), pos)
+        valid = pos != PAD_POSITION
+        s = mx.where(valid, scores.astype(mx.float32), -mx.inf)
+        s = mx.where(self.protected_mask(pos), mx.inf, s)
+        n_keep = min(n_keep, self.rows)
+        if counts is None:
+            idx = mx.argpartition(-s, kth=n_keep - 1, axis=-1)[..., :n_keep]
+            self.keep_rows(mx.sort(idx, axis=-1), pos)
+            return
+        ranked = mx.argsort(-s, axis=-1)[..., :n_keep]  # best first
+        chosen = mx.take_along_axis(pos, ranked, axis=-1)
+        pad = mx.arange(n_keep)[None, None, :] >= counts[..., None]
+        chosen = mx.where(pad, PAD_POSITION, chosen)
+        order = mx.argsort(chosen, axis=-1)  # position order, padding last
+        self.keep_rows(mx.take_along_axis(ranked, order, axis=-1), pos)
+        self.positions = mx.take_along_axis(chosen, order, axis=-1)
+        self.padded = bool((counts < n_keep).any().item())
 
     def keep_rows(self, idx: mx.array, pos: mx.array | None = None) -> None:
         """Keep rows `idx` [B, Hkv, K] (ascending) of every head, in that order."""

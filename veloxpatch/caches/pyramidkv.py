@@ -1,0 +1,57 @@
+"""`pyramidkv` (Cai et al., 2024): SnapKV scoring with a budget tapered over
+layers, larger in lower layers, whose mean over layers is `budget`.
+
+Prefix budget of layer l: k_l = max - l (max - min) / (L - 1) with
+min = (budget - w) / beta and max = 2 (budget - w) - min; the window is added
+to each. Rounding is distributed so the layers' rows sum to budget x L exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..errors import OptionError
+from .snapkv import SnapKVCache, SnapKVOptions
+
+
+@dataclasses.dataclass
+class PyramidKVOptions(SnapKVOptions):
+    """`beta`: how steep the pyramid is (top layer keeps (budget - w) / beta)."""
+
+    beta: float = 20.0
+
+    def __post_init__(self):
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
+            raise OptionError(f"beta must be a number, got {self.beta!r}")
+        if self.beta < 1:
+            raise OptionError(f"beta must be >= 1, got {self.beta}")
+        super().__post_init__()
+
+
+def pyramid_budgets(
+    budget: int, window: int, num_layers: int, beta: float
+) -> list[int]:
+    """Rows kept per layer (window included), summing to budget * num_layers."""
+    prefix = budget - window
+    if num_layers == 1:
+        return [budget]
+    lo = prefix / beta
+    hi = 2 * prefix - lo
+    exact = [hi - layer * (hi - lo) / (num_layers - 1) for layer in range(num_layers)]
+    counts = [math.floor(x) for x in exact]
+    short = prefix * num_layers - sum(counts)
+    by_remainder = sorted(range(num_layers), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[:short]:
+        counts[i] += 1
+    return [c + window for c in counts]
+
+
+class PyramidKVCache(SnapKVCache):
+    name = "pyramidkv"
+    summary = "snapkv scores, per-layer budget tapered from lower to upper layers"
+    Options = PyramidKVOptions
+
+    def row_budget(self) -> int:
+        o = self.options
+        return pyramid_budgets(o.budget, o.window, self.num_layers, o.beta)[self.layer]

@@ -1,0 +1,162 @@
+"""`snapkv` (Li et al., 2024): score the prompt by the attention of its last `w`
+real queries, keep the best-scored prefix plus the window.
+
+The cache buffers the last `window` post-RoPE queries (after any query scale)
+across prefill chunks. When the prompt ends it scores every stored key j as
+sum over window queries i of softmax_i(q_i . k_j)[j], pools the scores over
+positions (kernel k), averages them over the query heads sharing the KV head,
+and keeps the top (budget - window) plus the window. During decode it keeps
+buffering queries and recompresses to `budget` once `window` new rows have
+accumulated, so memory stays under budget + window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+
+from ..errors import OptionError
+from .eviction import EvictingCache, EvictionOptions, _check_int
+
+
+@dataclasses.dataclass
+class SnapKVOptions(EvictionOptions):
+    """`window`: observation window of last queries, always kept. `kernel`: odd
+    pooling width over positions. `pool`: "max" or "avg". `sinks`: default 0."""
+
+    sinks: int = 0
+    window: int = 32
+    kernel: int = 7
+    pool: str = "max"
+
+    def protected(self):
+        return self.sinks + self.window
+
+    def __post_init__(self):
+        _check_int("window", self.window, 1)
+        _check_int("kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise OptionError(f"kernel must be odd, got {self.kernel}")
+        if self.pool not in ("max", "avg"):
+            raise OptionError(f"pool must be 'max' or 'avg', got {self.pool!r}")
+        super().__post_init__()
+
+
+def pool_positions(scores: mx.array, kernel: int, kind: str) -> mx.array:
+    """1-D pooling along the last axis, 'same' size, zero padding (scores >= 0;
+    avg divides by the kernel, as avg_pool1d with count_include_pad does)."""
+    if kernel == 1:
+        return scores
+    r = kernel // 2
+    T = scores.shape[-1]
+    pad = [(0, 0)] * (scores.ndim - 1) + [(r, r)]
+    padded = mx.pad(scores, pad)
+    shifted = [padded[..., i : i + T] for i in range(kernel)]
+    if kind == "max":
+        out = shifted[0]
+        for x in shifted[1:]:
+            out = mx.maximum(out, x)
+        return out
+    return sum(shifted[1:], shifted[0]) / kernel
+
+
+def window_attention(queries, qpos, keys, pos, scale) -> mx.array:
+    """Softmax attention of window queries [B, Hq, w, D] at positions qpos [w]
+    over stored keys [B, Hkv, T, D] at positions pos [B, Hkv, T], causal on the
+    true positions. Returns probabilities [B, Hkv, G, w, T] (G = Hq // Hkv)."""
+    B, Hq, w, D = queries.shape
+    Hkv, T = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    q = queries.astype(mx.float32).reshape(B, Hkv, G * w, D)
+    logits = (q @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale
+    qp = mx.tile(qpos, G)
+    visible = pos[:, :, None, :] <= qp[None, None, :, None]
+    logits = mx.where(visible, logits, -mx.inf)
+    return mx.softmax(logits, axis=-1).reshape(B, Hkv, G, w, T)
+
+
+class SnapKVCache(EvictingCache):
+    name = "snapkv"
+    summary = "top attention of the last w prompt queries, pooled; + the window"
+    Options = SnapKVOptions
+
+    def __init__(self, options=None, layer=0, num_layers=1):
+        super().__init__(options, layer, num_layers)
+        self.window_queries = None  # last `window` post-RoPE queries [B, Hq, w, D]
+        self.compressed_rows = None  # rows kept by the last compression
+
+    @property
+    def recent(self):
+        return self.options.window
+
+    # ---- hooks ------------------------------------------------------------------
+    def after_attend(self, q, new_rows):
+        w = self.options.window
+        buf = (
+            q
+            if self.window_queries is None
+            else mx.concatenate([self.window_queries, q], axis=2)
+        )
+        self.window_queries = buf[:, :, -w:] if buf.shape[2] > w else buf
+        decoding = new_rows == 1 and not self._in_prompt
+        if decoding and self.rows > self._limit() + w:
+            self.compress()
+
+    def end_prompt(self):
+        if self.rows > self.row_budget():
+            self.compress()
+
+    def side_arrays(self):
+        side = super().side_arrays()
+        return side + [self.window_queries] if self.window_queries is not None else side
+
+    # ---- scoring -----------------------------------------------------------------
+    def _limit(self) -> int:
+        return (
+            self.compressed_rows
+            if self.compressed_rows is not None
+            else (self.row_budget())
+        )
+
+    def window_probs(self) -> mx.array:
+        """[B, Hkv, G, w, T] attention of the buffered queries over stored rows."""
+        keys, _ = self._view()
+        w = self.window_queries.shape[2]
+        qpos = mx.arange(self.offset - w, self.offset, dtype=mx.int32)
+        return window_attention(
+            self.window_queries, qpos, keys, self.positions_view(), self.scale
+        )
+
+    def scores(self, q=None) -> mx.array:
+        """SnapKV score per stored row [B, Hkv, T]: summed window attention,
+        pooled over positions, averaged over the GQA group."""
+        summed = self.window_probs().sum(axis=3)  # [B, Hkv, G, T]
+        pooled = pool_positions(summed, self.options.kernel, self.options.pool)
+        return pooled.mean(axis=2)
+
+    def compress(self) -> None:
+        n_keep = self.row_budget()
+        self.evict_to(n_keep, self.scores())
+        self.compressed_rows = self.rows
+
+    def extra_state(self):
+        return (
+            {}
+            if self.window_queries is None
+            else {"window_queries": self.window_queries}
+        )
+
+    def load_extra_state(self, st):
+        self.window_queries = st.get("window_queries")
+
+    @property
+    def meta_state(self):
+        m = super().meta_state
+        m["compressed_rows"] = self.compressed_rows
+        return m
+
+    @meta_state.setter
+    def meta_state(self, m):
+        EvictingCache.meta_state.fset(self, m)
+        self.compressed_rows = m.get("compressed_rows")
