@@ -64,6 +64,10 @@ class EvictingCache(VeloxCache):
     def row_budget(self) -> int:
         return self.options.budget
 
+    def row_bound(self) -> int:
+        """Most rows held between calls once the prompt is over."""
+        return self.row_budget()
+
     def compress_now(self, new_rows: int) -> bool:
         return self.rows > self.row_budget()
 

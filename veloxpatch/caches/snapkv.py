@@ -119,6 +119,9 @@ class SnapKVCache(EvictingCache):
             else (self.row_budget())
         )
 
+    def row_bound(self) -> int:
+        return self._limit() + self.options.window
+
     def window_probs(self) -> mx.array:
         """[B, Hkv, G, w, T] attention of the buffered queries over stored rows."""
         keys, _ = self._view()
