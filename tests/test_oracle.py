@@ -20,6 +20,9 @@ ALGOS = [
     ("snapkv", dict(budget=14, window=3, kernel=1, pool="avg", sinks=2)),
     ("pyramidkv", dict(budget=16, window=4, beta=4)),
     ("adakv", dict(budget=16, window=4)),
+    ("h2o", dict(budget=12, sinks=2)),
+    ("tova", dict(budget=12, sinks=2)),
+    ("keyformer", dict(budget=12, sinks=1, recent=3)),
 ]
 CHUNKS = [7, 5, 9]  # prefill chunks, then single-token decode
 N = 56

@@ -26,8 +26,13 @@ def feed(cache, n, chunks=(17,)):
     start = 0
     for L in list(chunks) + [n - sum(chunks)]:
         sl = slice(start, start + L)
-        cache.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl],
-                     rope=lambda t, offset=0: t, scale=D**-0.5)
+        cache.attend(
+            q[:, :, sl],
+            k[:, :, sl],
+            v[:, :, sl],
+            rope=lambda t, offset=0: t,
+            scale=D**-0.5,
+        )
         start += L
     return np.array(q), np.array(k)
 
@@ -49,7 +54,9 @@ def reference_scores(q, k, w, kernel, pool, scale=D**-0.5):
             r = kernel // 2
             padded = np.pad(total, r)
             windows = np.stack([padded[j : j + n] for j in range(kernel)])
-            per_q_head.append(windows.max(0) if pool == "max" else windows.sum(0) / kernel)
+            per_q_head.append(
+                windows.max(0) if pool == "max" else windows.sum(0) / kernel
+            )
         out[h] = np.mean(per_q_head, axis=0)
     return out
 
@@ -77,7 +84,9 @@ def test_snapkv_keeps_top_prefix_plus_window():
 def kept_and_logits(model, prompt, algo, step, **opts):
     with veloxpatch.patched(model, algo=algo, **opts) as patch:
         caches = patch.make_cache()
-        toks, lp = greedy(model, prompt, n=6, prefill_step_size=step, prompt_cache=caches)
+        toks, lp = greedy(
+            model, prompt, n=6, prefill_step_size=step, prompt_cache=caches
+        )
     return [np.array(c.positions_view()) for c in caches], toks, lp
 
 
@@ -142,8 +151,10 @@ def test_adakv_heads_differ_and_layer_total_is_budget():
         assert real.sum() == 20 * HKV
         assert c.rows == real.max()  # padded to the largest head
         assert c.nbytes == c.rows * HKV * (2 * 16 * 4 + 4)
-    assert any(len(set((np.array(c.positions_view())[0] < 2**31 - 1).sum(-1))) > 1
-               for c in caches)
+    assert any(
+        len(set((np.array(c.positions_view())[0] < 2**31 - 1).sum(-1))) > 1
+        for c in caches
+    )
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,13 @@
 from .adakv import AdaKVCache
 from .base import CacheOptions, VeloxCache
 from .full import FullCache
+from .h2o import H2OCache
+from .keyformer import KeyformerCache
 from .knorm import KNormCache
 from .pyramidkv import PyramidKVCache
 from .snapkv import SnapKVCache
 from .streaming_llm import StreamingLLMCache
+from .tova import TOVACache
 
 ALGORITHMS: dict[str, type[VeloxCache]] = {
     cls.name: cls
@@ -17,6 +20,9 @@ ALGORITHMS: dict[str, type[VeloxCache]] = {
         SnapKVCache,
         PyramidKVCache,
         AdaKVCache,
+        H2OCache,
+        TOVACache,
+        KeyformerCache,
     )
 }
 

@@ -1,0 +1,116 @@
+"""H2O, TOVA and Keyformer: the attention they accumulate, checked against the
+paper formulas written out in numpy."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxpatch.caches import ALGORITHMS
+from veloxpatch.errors import OptionError
+
+HQ, HKV, D, N = 4, 2, 8, 40
+G = HQ // HKV
+mx.random.seed(5)
+Q = mx.random.normal((1, HQ, N, D))
+K = mx.random.normal((1, HKV, N, D)) * 2
+V = mx.random.normal((1, HKV, N, D))
+
+
+def feed(cache, chunks):
+    start = 0
+    for L in list(chunks) + [1] * (N - sum(chunks)):
+        sl = slice(start, start + L)
+        out = cache.attend(Q[:, :, sl], K[:, :, sl], V[:, :, sl],
+                           rope=lambda t, offset=0: t, scale=D**-0.5)
+        mx.eval(out)
+        start += L
+    return cache
+
+
+def probs_np():
+    """[HQ, N, N] causal softmax attention of every query."""
+    q, k = np.array(Q[0]), np.array(K[0])
+    out = np.zeros((HQ, N, N))
+    for hq in range(HQ):
+        for i in range(N):
+            logits = q[hq, i] @ k[hq // G, : i + 1].T * D**-0.5
+            p = np.exp(logits - logits.max())
+            out[hq, i, : i + 1] = p / p.sum()
+    return out
+
+
+def kept(cache):
+    return np.array(cache.positions_view())[0]
+
+
+def test_h2o_accumulates_every_query_mean_over_group():
+    cls = ALGORITHMS["h2o"]
+    cache = feed(cls(cls.Options(budget=1000)), [13, 9])
+    p = probs_np()
+    ref = np.stack([p[h * G : (h + 1) * G].mean(0).sum(0) for h in range(HKV)])
+    np.testing.assert_allclose(np.array(cache.acc)[0], ref, atol=1e-5)
+
+
+def test_h2o_keeps_heavy_recent_and_sinks():
+    cls = ALGORITHMS["h2o"]
+    cache = feed(cls(cls.Options(budget=N - 1, sinks=2, recent=5)), [N - 1])
+    # One decode step over budget: the row with the least accumulated attention
+    # outside sinks and the recent window goes.
+    p = probs_np()
+    for h in range(HKV):
+        acc = p[h * G : (h + 1) * G].mean(0).sum(0)
+        candidates = np.arange(2, N - 5)
+        drop = candidates[np.argmin(acc[candidates])]
+        assert kept(cache)[h].tolist() == [t for t in range(N) if t != drop]
+
+
+def test_tova_drops_least_attended_by_last_query_mean_over_all_heads():
+    cls = ALGORITHMS["tova"]
+    cache = feed(cls(cls.Options(budget=16, sinks=2)), [N])
+    p = probs_np()
+    score = p[:, N - 1].mean(0)  # all query heads, last query
+    top = sorted((np.argsort(-score[2:])[:14] + 2).tolist())
+    for h in range(HKV):
+        assert kept(cache)[h].tolist() == [0, 1] + top  # every head the same
+
+
+def test_keyformer_tau_schedule_and_seeded_noise():
+    cls = ALGORITHMS["keyformer"]
+    opts = dict(budget=12, sinks=1, recent=3, tau_steps=10)
+    a = feed(cls(cls.Options(**opts)), [20])
+    b = feed(cls(cls.Options(**opts)), [20])
+    c = feed(cls(cls.Options(seed=1, **opts)), [20])
+    assert (kept(a) == kept(b)).all()
+    assert a.decode_steps == N - 20 and a.tau() == 2.0
+    fresh = cls(cls.Options(**opts))
+    fresh.decode_steps = 5
+    assert fresh.tau() == pytest.approx(1.5)
+    assert not (kept(a) == kept(c)).all() or not np.allclose(
+        np.array(a.acc), np.array(c.acc)
+    )
+
+
+def test_keyformer_weights_are_tempered_gumbel_softmax():
+    cls = ALGORITHMS["keyformer"]
+    cache = cls(cls.Options(budget=50, tau_init=1.5))
+    logits = mx.random.normal((1, HKV, G, 3, 7))
+    got = cache.weights(logits, None)
+    key = mx.random.key(0)
+    noise = mx.random.gumbel(logits.shape, key=key)
+    ref = mx.softmax((logits + noise) / 1.5, axis=-1)
+    assert mx.allclose(got, ref).item()
+
+
+@pytest.mark.parametrize(
+    "algo,opts,match",
+    [
+        ("h2o", dict(budget=10, sinks=4, recent=6), "budget"),
+        ("h2o", dict(recent=-1), "recent"),
+        ("keyformer", dict(tau_init=0), "tau_init"),
+        ("keyformer", dict(tau_steps=0), "tau_steps"),
+        ("tova", dict(budget=4, sinks=4), "budget"),
+    ],
+)
+def test_options_validated(algo, opts, match):
+    with pytest.raises(OptionError, match=match):
+        ALGORITHMS[algo].Options.create(algo, opts)

@@ -1,0 +1,73 @@
+"""`h2o` (Zhang et al., 2023): heavy hitters plus recent tokens.
+
+Per KV head, every real query (prefill and decode) adds the attention
+probability it gives each key, averaged over the query heads of the group.
+When over budget, keep the sinks, the `recent` newest rows and the rows with
+the largest accumulated attention. Evicts every call, prefill and decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+
+from .attention_probs import ProbabilityCache
+from .eviction import EvictionOptions, _check_int
+
+
+@dataclasses.dataclass
+class H2OOptions(EvictionOptions):
+    """`recent`: newest rows always kept; default half of what sinks leave."""
+
+    recent: int | None = None
+
+    def __post_init__(self):
+        if self.recent is None:
+            self.recent = max(0, (self.budget - self.sinks) // 2)
+        _check_int("recent", self.recent, 0)
+        super().__post_init__()
+
+    def protected(self):
+        return self.sinks + self.recent
+
+
+class H2OCache(ProbabilityCache):
+    name = "h2o"
+    summary = "accumulated attention of every real query (heavy hitters) + recent"
+    Options = H2OOptions
+
+    def __init__(self, options=None, layer=0, num_layers=1):
+        super().__init__(options, layer, num_layers)
+        self.acc = None  # [B, Hkv, rows] accumulated attention, float32
+
+    @property
+    def recent(self):
+        return self.options.recent
+
+    def weights(self, logits, probs):
+        """What a query contributes to each key: its attention probability."""
+        return probs
+
+    def observe(self, logits, probs):
+        add = self.weights(logits, probs).mean(axis=2).sum(axis=2)  # [B, Hkv, T]
+        if self.acc is not None:
+            old = self.acc.shape[-1]
+            add = mx.concatenate([add[..., :old] + self.acc, add[..., old:]], axis=-1)
+        self.acc = add
+
+    def scores(self, q):
+        return self.acc
+
+    def keep_rows(self, idx, pos=None):
+        super().keep_rows(idx, pos)
+        self.acc = mx.take_along_axis(self.acc, idx, axis=-1)
+
+    def side_arrays(self):
+        return super().side_arrays() + ([self.acc] if self.acc is not None else [])
+
+    def extra_state(self):
+        return {} if self.acc is None else {"acc": self.acc}
+
+    def load_extra_state(self, st):
+        self.acc = st.get("acc")

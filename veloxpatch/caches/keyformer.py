@@ -1,0 +1,79 @@
+"""`keyformer` (Adnan et al., 2024): H2O with a Gumbel-perturbed, tempered score.
+
+Each query adds softmax((logits + g) / tau) to the keys' accumulated scores,
+g ~ Gumbel(0, 1) redrawn every call from a seeded generator; tau rises linearly
+from `tau_init` to `tau_end` over `tau_steps` decode steps (the paper anneals
+over the generation; prefill uses `tau_init`). Kept: sinks, the `recent`
+newest rows and the best accumulated scores. Positions are never renumbered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+
+from ..errors import OptionError
+from .eviction import _check_int
+from .h2o import H2OCache, H2OOptions
+
+
+@dataclasses.dataclass
+class KeyformerOptions(H2OOptions):
+    """`tau_init`, `tau_end`: temperature schedule (paper: 1 to 2);
+    `tau_steps`: decode steps to anneal over; `seed`: Gumbel noise seed."""
+
+    tau_init: float = 1.0
+    tau_end: float = 2.0
+    tau_steps: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("tau_init", "tau_end"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value <= 0
+            ):
+                raise OptionError(f"{name} must be a positive number, got {value!r}")
+        _check_int("tau_steps", self.tau_steps, 1)
+        _check_int("seed", self.seed, 0)
+        super().__post_init__()
+
+
+class KeyformerCache(H2OCache):
+    name = "keyformer"
+    summary = "accumulated Gumbel-perturbed, tempered attention + recent"
+    Options = KeyformerOptions
+
+    def __init__(self, options=None, layer=0, num_layers=1):
+        super().__init__(options, layer, num_layers)
+        self.calls = 0
+        self.decode_steps = 0
+
+    def tau(self) -> float:
+        o = self.options
+        frac = min(1.0, self.decode_steps / o.tau_steps)
+        return o.tau_init + (o.tau_end - o.tau_init) * frac
+
+    def weights(self, logits, probs):
+        o = self.options
+        key = mx.random.key(o.seed * 1_000_003 + self.layer * 7_919 + self.calls)
+        noise = mx.random.gumbel(logits.shape, key=key)
+        L = logits.shape[3]
+        tau = o.tau_init if L > 1 else self.tau()
+        self.calls += 1
+        self.decode_steps += L == 1
+        return mx.softmax((logits + noise) / tau, axis=-1)
+
+    @property
+    def meta_state(self):
+        m = super().meta_state
+        m.update(calls=self.calls, decode_steps=self.decode_steps)
+        return m
+
+    @meta_state.setter
+    def meta_state(self, m):
+        H2OCache.meta_state.fset(self, m)
+        self.calls, self.decode_steps = int(m["calls"]), int(m["decode_steps"])
