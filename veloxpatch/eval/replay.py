@@ -1,0 +1,88 @@
+"""Prefill once, derive every arm.
+
+When a prompt fits in one prefill chunk, every layer of every algorithm sees the
+same q/k/v for that chunk (eviction is deferred, so the chunk attends densely),
+and each cache's state after it depends only on that layer's inputs. So: run the
+prompt once through capturing caches that record each layer's pre-RoPE q, k, v
+(with its rope, scale and query scale), then build any algorithm's caches by
+replaying those calls into fresh caches. The result is the same state a direct
+run produces (tested), at the cost of the attention alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .. import api
+from ..caches import ALGORITHMS
+from ..caches.full import FullCache
+
+
+class CaptureCache(FullCache):
+    """A full cache that records the arguments of every attention call."""
+
+    name = "capture"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def attend(self, q, k, v, *, rope, scale, query_scale=None):
+        self.calls.append((q, k, v, rope, scale, query_scale))
+        return super().attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
+
+
+@dataclass
+class Captured:
+    calls: list  # per layer: list of (q, k, v, rope, scale, query_scale)
+    tokens: list[int]  # the tokens processed
+
+    def caches(self, algo: str, options: dict | None = None, chunks=None):
+        """Fresh caches of `algo` in the state a direct run over `tokens` leaves
+        (exact when the captured run processed them in one call)."""
+        cls = ALGORITHMS[algo]
+        opts = cls.Options.create(algo, dict(options or {}))
+        n = len(self.calls)
+        caches = [cls(opts, layer, n) for layer in range(n)]
+        for cache, calls in zip(caches, self.calls):
+            for q, k, v, rope, scale, query_scale in _split(calls, chunks):
+                cache.attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
+            _ = cache.state  # as mlx-lm does after each prefill chunk
+        mx.eval([c.arrays() for c in caches])
+        return caches
+
+
+def _split(calls, chunks):
+    """Optionally re-cut one recorded call into chunks (for benchmarks only: the
+    q/k/v of later chunks would differ in a direct run once rows are evicted)."""
+    if not chunks or len(calls) != 1:
+        yield from calls
+        return
+    q, k, v, rope, scale, query_scale = calls[0]
+    start = 0
+    for L in chunks:
+        sl = slice(start, start + L)
+        qs = query_scale[..., sl, :] if query_scale is not None else None
+        yield q[:, :, sl], k[:, :, sl], v[:, :, sl], rope, scale, qs
+        start += L
+
+
+def capture_prefill(model, tokens) -> Captured:
+    """Run `tokens` through the model in one call and record every layer."""
+    if api.patch_of(model) is not None:
+        raise RuntimeError("capture_prefill needs an unpatched model")
+    ALGORITHMS["capture"] = CaptureCache
+    try:
+        with api.patched(model, algo="capture") as patch:
+            caches = patch.make_cache()
+            mx.eval(model(mx.array(tokens)[None], cache=caches))
+    finally:
+        del ALGORITHMS["capture"]
+    for c in caches:
+        if not isinstance(c, CaptureCache):
+            raise RuntimeError("replay needs veloxpatch caches on every layer")
+    calls = [c.calls for c in caches]
+    mx.eval([[(q, k, v) for q, k, v, *_ in layer] for layer in calls])
+    return Captured(calls, list(tokens))

@@ -1,0 +1,109 @@
+"""Run arms over passkey cases, reusing one dense prefill per case (replay)."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from .. import api
+from .metrics import Arm
+from .passkey import PasskeyCase, wilson
+from .replay import capture_prefill
+
+DIGITS = re.compile(r"\d{5}")
+
+
+def answer(model, tokenizer, prompt_tail, caches, max_tokens=12) -> str:
+    """Greedy answer through mlx-lm's generate_step, stopping at EOS or once
+    five digits in a row have been produced."""
+    eos = set(getattr(tokenizer, "eos_token_ids", []) or [])
+    out = []
+    steps = generate_step(
+        mx.array(prompt_tail), model, max_tokens=max_tokens, prompt_cache=caches
+    )
+    for tok, _ in steps:
+        if tok in eos:
+            break
+        out.append(tok)
+        if DIGITS.search(tokenizer.decode(out).replace(" ", "")):
+            break
+    return tokenizer.decode(out)
+
+
+def run_case(
+    model, tokenizer, case: PasskeyCase, arms, prefill_step_size=2048, max_tokens=12
+) -> list[dict]:
+    """Every arm on one case. When the prompt fits one prefill chunk, prefill it
+    once and replay it into each arm's caches; otherwise run each arm directly."""
+    head, tail = case.prompt[:-1], case.prompt[-1:]
+    replay = len(head) <= prefill_step_size
+    captured = capture_prefill(model, head) if replay else None
+    rows = []
+    for arm in arms:
+        with api.patched(model, algo=arm.algo, **arm.options) as patch:
+            if replay:
+                caches = captured.caches(arm.algo, arm.options)
+                prompt = tail
+            else:
+                caches, prompt = patch.make_cache(), case.prompt
+            text = answer(model, tokenizer, prompt, caches, max_tokens)
+            kv = sum(c.nbytes for c in caches)
+        rows.append(
+            {
+                "arm": arm.label,
+                "algo": arm.algo,
+                "options": dict(arm.options),
+                "seed": case.seed,
+                "depth": case.depth,
+                "key": case.key,
+                "context_tokens": len(case.prompt),
+                "answer": text,
+                "correct": case.correct(text),
+                "kv_bytes": kv,
+                "prefill_step_size": prefill_step_size,
+                "replayed_prefill": replay,
+            }
+        )
+    return rows
+
+
+def summarize(rows, arms) -> list[dict]:
+    table = []
+    for arm in arms:
+        mine = [r for r in rows if r["arm"] == arm.label]
+        k, n = sum(r["correct"] for r in mine), len(mine)
+        depths = sorted({round(r["depth"], 3) for r in mine})
+        table.append(
+            {
+                "arm": arm.label,
+                "algo": arm.algo,
+                "budget": arm.options.get("budget"),
+                "correct": k,
+                "cases": n,
+                "accuracy": k / n if n else 0.0,
+                "wilson95": wilson(k, n),
+                "by_depth": {
+                    str(d): sum(r["correct"] for r in mine if round(r["depth"], 3) == d)
+                    / max(1, sum(1 for r in mine if round(r["depth"], 3) == d))
+                    for d in depths
+                },
+            }
+        )
+    return table
+
+
+def smallest_budget(table, algo: str, full_accuracy: float, share=0.9):
+    """Smallest evaluated budget of `algo` at or above share x full accuracy."""
+    ok = [
+        t["budget"]
+        for t in table
+        if t["algo"] == algo
+        and t["budget"] is not None
+        and t["accuracy"] >= share * full_accuracy
+    ]
+    return min(ok) if ok else None
+
+
+__all__ = ["Arm", "answer", "run_case", "smallest_budget", "summarize"]
