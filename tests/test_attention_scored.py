@@ -20,8 +20,13 @@ def feed(cache, chunks):
     start = 0
     for L in list(chunks) + [1] * (N - sum(chunks)):
         sl = slice(start, start + L)
-        out = cache.attend(Q[:, :, sl], K[:, :, sl], V[:, :, sl],
-                           rope=lambda t, offset=0: t, scale=D**-0.5)
+        out = cache.attend(
+            Q[:, :, sl],
+            K[:, :, sl],
+            V[:, :, sl],
+            rope=lambda t, offset=0: t,
+            scale=D**-0.5,
+        )
         mx.eval(out)
         start += L
     return cache

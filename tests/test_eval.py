@@ -69,10 +69,11 @@ def test_passkey_cases_are_seeded_and_placed(loaded):
     assert [round(c.depth, 3) for c in cases] == [0.05, 0.275, 0.5, 0.725, 0.95]
     for c in cases:
         text = tokenizer.decode(c.prompt)
-        assert text.startswith("<|im_start|>") and "pass key?" in text[-120:]
+        assert text.startswith("<|im_start|>") and "secret number" in text[-140:]
+        assert text.endswith("<|im_start|>assistant\nThe secret number is")
         where = text.index(c.key) / len(text)
         assert abs(where - c.depth) < 0.15
         assert 550 <= len(c.prompt) <= 700
     shallow = make_case(tokenizer, 600, 0.05, seed=1)
-    assert shallow.correct(f"The pass key is {shallow.key}.")
+    assert shallow.correct(f" {shallow.key}.")
     assert not shallow.correct("12345")

@@ -9,12 +9,17 @@ from dataclasses import dataclass
 
 from .text import prose_length, prose_tokens
 
+# Phrased as a "secret number": the evaluation prose is Python documentation, and
+# SmolLM2 answers "pass key" questions about Python keys instead (measured: 0/5
+# with the classic pass-key wording, 5/5 with this one, uncompressed). The
+# assistant turn is opened with ANSWER so the model continues with the digits.
 INTRO = (
-    "There is a pass key hidden inside a long text. Read it all, find the pass key "
-    "and remember it.\n\n"
+    "There is a secret number hidden inside a long text. Find it and memorize it. "
+    "I will quiz you about it.\n\n"
 )
-NEEDLE = " The pass key is {key}. Remember it: {key} is the pass key. "
-QUESTION = "\n\nWhat is the pass key? Answer with the five digits only."
+NEEDLE = " The secret number is {key}. Remember it. {key} is the secret number. "
+QUESTION = "\n\nWhat is the secret number mentioned in the text?"
+ANSWER = "The secret number is"
 
 
 @dataclass
@@ -54,9 +59,9 @@ def make_case(
             tokenize=False,
             add_generation_prompt=True,
         )
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text + ANSWER, add_special_tokens=False)
     else:
-        ids = tokenizer.encode(body + "\nThe pass key is")
+        ids = tokenizer.encode(body + "\n" + ANSWER)
     return PasskeyCase(ids, key, depth, seed)
 
 
