@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 
 from .. import api
+from .replay import capture_prefill
 
 
 @dataclass
@@ -41,9 +42,9 @@ def prefill(model, caches, ids, prefill_step_size: int = 2048) -> mx.array:
     return model(mx.array(ids[start:])[None], cache=caches)[0, -1]
 
 
-def continuation_logprobs(model, caches, context, continuation, prefill_step_size=2048):
-    """Log-probabilities [T, V] of each continuation position, teacher-forced."""
-    logits = prefill(model, caches, context, prefill_step_size)
+def teacher_forced(model, caches, logits, continuation) -> mx.array:
+    """Log-probabilities [T, V]: `logits` predicts continuation[0], then each
+    continuation token is fed alone (decode-time eviction as in generation)."""
     rows = [logits - mx.logsumexp(logits)]
     mx.eval(rows[-1])
     for tok in continuation[:-1]:
@@ -53,12 +54,19 @@ def continuation_logprobs(model, caches, context, continuation, prefill_step_siz
     return mx.stack(rows).astype(mx.float32)
 
 
-def arm_logprobs(model, arm: Arm, context, continuation, prefill_step_size=2048):
+def arm_logprobs(
+    model, arm: Arm, context, continuation, prefill_step_size=2048, captured=None
+):
+    """(log-probabilities, KV bytes held at the end) of one arm. With `captured`
+    (a replay of context[:-1], see replay.py) the prefill is not run again."""
     with api.patched(model, algo=arm.algo, **arm.options) as patch:
-        caches = patch.make_cache()
-        lp = continuation_logprobs(
-            model, caches, context, continuation, prefill_step_size
-        )
+        if captured is not None:
+            caches = captured.caches(arm.algo, arm.options)
+            logits = model(mx.array([context[-1:]]), cache=caches)[0, -1]
+        else:
+            caches = patch.make_cache()
+            logits = prefill(model, caches, context, prefill_step_size)
+        lp = teacher_forced(model, caches, logits, continuation)
         kv = sum(c.nbytes for c in caches)
     return lp, kv
 
@@ -75,18 +83,6 @@ def agreement_and_kl(logprobs: mx.array, reference: mx.array) -> tuple[float, fl
     return agree, kl
 
 
-def greedy_continuation(model, context, n: int, prefill_step_size=2048) -> list[int]:
-    """The uncompressed model's greedy continuation (the agreement reference)."""
-    with api.patched(model, algo="full") as patch:
-        caches = patch.make_cache()
-        logits = prefill(model, caches, context, prefill_step_size)
-        out = []
-        for _ in range(n):
-            out.append(int(mx.argmax(logits).item()))
-            logits = model(mx.array([[out[-1]]]), cache=caches)[0, -1]
-    return out
-
-
 @dataclass
 class ContinuationResult:
     arm: str
@@ -99,26 +95,30 @@ class ContinuationResult:
     agreement: float
     kl: float
     kv_bytes: int
+    replayed_prefill: bool
 
     def as_dict(self):
         return asdict(self)
 
 
-def evaluate_continuation(
-    model, arms, context, continuation, prefill_step_size=2048, reference=None
-):
-    """Perplexity, agreement and KL of every arm on one context/continuation."""
-    reference_kv = None
-    if reference is None:
-        reference, reference_kv = arm_logprobs(
-            model, Arm("full"), context, continuation, prefill_step_size
-        )
+def evaluate_continuation(model, arms, context, continuation, prefill_step_size=2048):
+    """Perplexity, agreement and KL against `full` of every arm on one
+    context/continuation. A context within one prefill chunk is prefilled once
+    and replayed into every arm (exact, see replay.py)."""
+    captured = None
+    if len(context) - 1 <= prefill_step_size:
+        captured = capture_prefill(model, context[:-1])
+    reference, reference_kv = arm_logprobs(
+        model, Arm("full"), context, continuation, prefill_step_size, captured
+    )
     results = []
     for arm in arms:
-        if arm.algo == "full" and not arm.options and reference_kv is not None:
+        if arm.algo == "full" and not arm.options:
             lp, kv = reference, reference_kv  # the reference is this arm
         else:
-            lp, kv = arm_logprobs(model, arm, context, continuation, prefill_step_size)
+            lp, kv = arm_logprobs(
+                model, arm, context, continuation, prefill_step_size, captured
+            )
         agree, kl = agreement_and_kl(lp, reference)
         results.append(
             ContinuationResult(
@@ -132,6 +132,7 @@ def evaluate_continuation(
                 agree,
                 kl,
                 kv,
+                captured is not None,
             )
         )
     return results
