@@ -69,7 +69,7 @@ def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, qua
     from .api import algorithm, apply
     from .eval.arms import parse_pairs
     from .memory import full_kv_bytes, kv_bytes
-    from .models import load
+    from .models import chat_prompt, load
 
     options = parse_pairs(algo_args)
     if budget is not None:
@@ -80,14 +80,7 @@ def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, qua
     if not prompt.strip():
         raise click.UsageError("empty prompt: give --prompt or pipe text on stdin")
     m, tokenizer = load(model, quantized=quantized)
-    if chat is None:
-        chat = getattr(tokenizer, "chat_template", None) is not None
-    if chat:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+    prompt = chat_prompt(tokenizer, prompt, chat)
     with apply(m, algo=algo, **options) as patch:
         caches = patch.make_cache()
         last = None

@@ -108,3 +108,16 @@ def dequantize_to_float32(model: nn.Module) -> nn.Module:
     model.set_dtype(mx.float32)  # norms, biases and fp16/bf16 weights
     mx.eval(model.parameters())
     return model
+
+
+def chat_prompt(tokenizer, text: str, chat: bool | None = None) -> str:
+    """`text` as the user turn of the model's chat template, ready for the
+    assistant's answer; unchanged when the model has no template (or `chat` is
+    False)."""
+    if chat is None:
+        chat = getattr(tokenizer, "chat_template", None) is not None
+    if not chat:
+        return text
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )

@@ -13,8 +13,8 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..errors import OptionError
 from .base import PAD_POSITION
+from .eviction import _check_number
 from .snapkv import SnapKVCache, SnapKVOptions
 
 
@@ -25,10 +25,7 @@ class AdaKVOptions(SnapKVOptions):
     alpha: float = 0.2
 
     def __post_init__(self):
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
-            raise OptionError(f"alpha must be a number, got {self.alpha!r}")
-        if not 0 <= self.alpha <= 1:
-            raise OptionError(f"alpha must be in [0, 1], got {self.alpha}")
+        _check_number("alpha", self.alpha, 0, 1)
         super().__post_init__()
 
 

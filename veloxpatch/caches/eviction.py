@@ -30,6 +30,16 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise OptionError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _check_number(
+    name: str, value, lo: float, hi: float = float("inf"), lo_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionError(f"{name} must be a number, got {value!r}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise OptionError(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
+
+
 @dataclasses.dataclass
 class EvictionOptions(CacheOptions):
     """`budget`: rows kept per layer and KV head, sinks and protected window

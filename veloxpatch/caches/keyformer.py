@@ -13,8 +13,7 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..errors import OptionError
-from .eviction import _check_int
+from .eviction import _check_int, _check_number
 from .h2o import H2OCache, H2OOptions
 
 
@@ -29,14 +28,8 @@ class KeyformerOptions(H2OOptions):
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("tau_init", "tau_end"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or value <= 0
-            ):
-                raise OptionError(f"{name} must be a positive number, got {value!r}")
+        _check_number("tau_init", self.tau_init, 0, lo_open=True)
+        _check_number("tau_end", self.tau_end, 0, lo_open=True)
         _check_int("tau_steps", self.tau_steps, 1)
         _check_int("seed", self.seed, 0)
         super().__post_init__()

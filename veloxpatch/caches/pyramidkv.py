@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..errors import OptionError
+from .eviction import _check_number
 from .snapkv import SnapKVCache, SnapKVOptions
 
 
@@ -22,10 +22,7 @@ class PyramidKVOptions(SnapKVOptions):
     beta: float = 20.0
 
     def __post_init__(self):
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
-            raise OptionError(f"beta must be a number, got {self.beta!r}")
-        if self.beta < 1:
-            raise OptionError(f"beta must be >= 1, got {self.beta}")
+        _check_number("beta", self.beta, 1)
         super().__post_init__()
 
 

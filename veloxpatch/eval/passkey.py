@@ -7,6 +7,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from ..models import chat_prompt
 from .text import prose_length, prose_tokens
 
 # Phrased as a "secret number": the evaluation prose is Python documentation, and
@@ -51,17 +52,11 @@ def make_case(
     before = tokenizer.decode(filler[:cut])
     after = tokenizer.decode(filler[cut:])
     body = INTRO + before + NEEDLE.format(key=key) + after + QUESTION
-    if chat is None:
-        chat = getattr(tokenizer, "chat_template", None) is not None
-    if chat:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": body}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        ids = tokenizer.encode(text + ANSWER, add_special_tokens=False)
-    else:
-        ids = tokenizer.encode(body + "\n" + ANSWER)
+    text = chat_prompt(tokenizer, body, chat)
+    plain = text == body  # no chat template: a completion prompt, with BOS
+    ids = tokenizer.encode(
+        text + ("\n" if plain else "") + ANSWER, add_special_tokens=plain
+    )
     return PasskeyCase(ids, key, depth, seed)
 
 
