@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--prefill-step-size", type=int, default=2048)
     ap.add_argument("--out", default="scripts/results/bench_decode.json")
     args = ap.parse_args()
+    info = run_info()  # the code and machine this run starts with
 
     model, tokenizer = veloxpatch.load()
     ids = prose_tokens(tokenizer, args.context, start=1000)
@@ -111,7 +112,7 @@ def main():
                 "peak_memory_bytes": peak[name],
             }
         )
-    result = {"run": run_info(), "config": vars(args), "table": table, "raw": rates}
+    result = {"run": info, "config": vars(args), "table": table, "raw": rates}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{'arm':<14} {'tok/s':>7} {'ratio':>6} {'[min, max]':>14} {'KV MB':>8}")

@@ -56,6 +56,7 @@ def main():
     ap.add_argument("--prefill-step-size", type=int, default=2048)
     ap.add_argument("--out", default="scripts/results/bench_overhead.json")
     args = ap.parse_args()
+    info = run_info()  # the code and machine this run starts with
 
     model, tokenizer = veloxpatch.load()
     prompt = mx.array(prose_tokens(tokenizer, args.prompt_tokens))
@@ -95,7 +96,7 @@ def main():
             "max": max(values),
         }
 
-    result = {"run": run_info(), "config": vars(args), "raw_tok_per_s": raw}
+    result = {"run": info, "config": vars(args), "raw_tok_per_s": raw}
     for i, phase in enumerate(("prefill", "decode")):
         ratios = [p[i] / u[i] for p, u in zip(raw["patched_full"], raw["unpatched"])]
         result[phase] = {

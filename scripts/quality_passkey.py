@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--prefill-step-size", type=int, default=2048)
     ap.add_argument("--out", default="scripts/results/passkey.json")
     args = ap.parse_args()
+    info = run_info()  # the code and machine this run starts with
 
     model, tokenizer = veloxpatch.load(args.model)
     cases = make_cases(tokenizer, args.cases, args.context, seed=args.seed)
@@ -78,7 +79,7 @@ def main():
     algos = sorted({a.algo for a in arms if a.algo != "full"})
     needed = {a: smallest_budget(table, a, full_acc) for a in algos}
     result = {
-        "run": run_info(),
+        "run": info,
         "config": vars(args),
         "table": table,
         "smallest_budget_for_90pct_of_full": needed,

@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--prefill-step-size", type=int, default=2048)
     ap.add_argument("--out", default="scripts/results/ppl.json")
     args = ap.parse_args()
+    info = run_info()  # the code and machine this run starts with
 
     budgets = [int(b) for b in args.budgets.split(",") if b]
     arms = expand(args.arms.split(","), budgets)
@@ -73,7 +74,7 @@ def main():
                 "kv_bytes": mine[0]["kv_bytes"],
             }
         )
-    result = {"run": run_info(), "config": vars(args), "table": table, "raw": rows}
+    result = {"run": info, "config": vars(args), "table": table, "raw": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{'arm':<28} {'ppl':>8} {'agree':>6} {'KL':>7} {'KV bytes':>12}")

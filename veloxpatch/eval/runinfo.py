@@ -15,20 +15,12 @@ def run_info() -> dict:
     import veloxpatch
     from veloxpatch import blas
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(__file__),
-            timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    commit, dirty = _git("rev-parse", "--short", "HEAD"), _git("status", "--porcelain")
     return {
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "veloxpatch": veloxpatch.__version__,
         "git_commit": commit,
+        "git_dirty": bool(dirty),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "python": platform.python_version(),
@@ -36,3 +28,16 @@ def run_info() -> dict:
         "device": str(mx.default_device()),
         "blas": blas.active(),
     }
+
+
+def _git(*args) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=os.path.dirname(__file__),
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
