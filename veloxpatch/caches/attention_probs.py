@@ -1,52 +1,52 @@
-"""Attention with explicit probabilities, for algorithms that score keys by the
-attention real queries give them (H2O, TOVA, Keyformer).
+"""Attention probabilities of real queries, for algorithms that score keys by the
+attention they receive (H2O, TOVA, Keyformer).
 
-The fused kernel never materialises probabilities, so these caches compute
-softmax(q k^T * scale) themselves for the call's queries over the stored rows
-plus the new ones: O(L x T) per head, the same order as the attention itself.
+The fused kernel never materialises probabilities, so these caches still attend
+with it (the output is the same as every other cache's) and compute
+softmax(q k^T * scale) only for the queries they need: every query of the call
+for H2O and Keyformer, the last one for TOVA. O(L x T) per head, or O(T).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import mlx.core as mx
 
 from .eviction import EvictingCache
 
 
-def visible(pos: mx.array, offset: int, L: int) -> mx.array:
-    """[B, Hkv, L, T]: query i (at offset + i) may see row t (causal on positions)."""
-    qpos = mx.arange(offset, offset + L, dtype=mx.int32)
-    return pos[:, :, None, :] <= qpos[None, None, :, None]
-
-
-def attention_with_logits(q, keys, values, mask, scale):
-    """Returns (output [B, Hq, L, D], logits and probabilities [B, Hkv, G, L, T]
-    in float32, hidden logits at -inf). Output in the input dtype."""
+def query_probs(q, keys, pos, qstart: int, scale):
+    """Logits and probabilities [B, Hkv, G, L, T] (float32) of queries q
+    [B, Hq, L, D] at positions qstart.. over rows at positions pos [B, Hkv, T],
+    causal on the true positions (hidden logits are -inf)."""
     B, Hq, L, D = q.shape
     Hkv, T = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     qg = q.reshape(B, Hkv, G * L, D).astype(mx.float32)
     logits = (qg @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale
     logits = logits.reshape(B, Hkv, G, L, T)
-    logits = mx.where(mask[:, :, None], logits, -mx.inf)
-    probs = mx.softmax(logits, axis=-1)
-    out = probs.reshape(B, Hkv, G * L, T) @ values.astype(mx.float32)
-    return out.reshape(B, Hq, L, -1).astype(q.dtype), logits, probs
+    qpos = mx.arange(qstart, qstart + L, dtype=mx.int32)
+    visible = pos[:, :, None, None, :] <= qpos[None, None, None, :, None]
+    logits = mx.where(visible, logits, -mx.inf)
+    return logits, mx.softmax(logits, axis=-1)
 
 
 class ProbabilityCache(EvictingCache):
-    """An evicting cache whose attention also hands the logits to `observe`."""
+    """An evicting cache that hands the attention of real queries to `observe`."""
+
+    observed: ClassVar[str] = "all"  # which of the call's queries: "all" or "last"
 
     def attention(self, q, keys, values, mask, scale):
-        L = q.shape[2]
-        offset = self.offset  # not yet advanced: the new rows start here
-        out, logits, probs = attention_with_logits(
-            q, keys, values, visible(self.positions_view(), offset, L), scale
+        out = super().attention(q, keys, values, mask, scale)
+        first = 0 if self.observed == "all" else q.shape[2] - 1
+        logits, probs = query_probs(
+            q[:, :, first:], keys, self.positions_view(), self.offset + first, scale
         )
         self.observe(logits, probs)
         return out
 
     def observe(self, logits: mx.array, probs: mx.array) -> None:
-        """[B, Hkv, G, L, T] logits and probabilities of this call's queries over
+        """[B, Hkv, G, L, T] logits and probabilities of the observed queries over
         every held row (old rows first, then the new ones)."""
         raise NotImplementedError

@@ -16,6 +16,7 @@ from .attention_probs import ProbabilityCache
 class TOVACache(ProbabilityCache):
     name = "tova"
     summary = "attention of the current last query, mean over all heads"
+    observed = "last"
 
     def observe(self, logits, probs):
         last = probs[:, :, :, -1, :]  # [B, Hkv, G, T]
