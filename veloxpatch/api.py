@@ -25,7 +25,10 @@ def algos() -> list[str]:
     return list(ALGORITHMS)
 
 
-def algorithm(name: str):
+def algorithm(name):
+    """The cache class of an algorithm name (or a VeloxCache subclass, as is)."""
+    if isinstance(name, type) and issubclass(name, VeloxCache):
+        return name
     try:
         return ALGORITHMS[name]
     except (KeyError, TypeError):
@@ -134,7 +137,7 @@ def apply(model, algo: str = "full", **options) -> Patch:
 
     adapter = adapter_for(model)
     cache_cls = algorithm(algo)
-    opts = cache_cls.Options.create(algo, options)
+    opts = cache_cls.Options.create(cache_cls.name, options)
     if patch_of(model) is not None:
         raise PatchStateError(
             "model is already patched; call restore() (or veloxpatch.unpatch) first"

@@ -73,13 +73,9 @@ def capture_prefill(model, tokens) -> Captured:
     """Run `tokens` through the model in one call and record every layer."""
     if api.patch_of(model) is not None:
         raise RuntimeError("capture_prefill needs an unpatched model")
-    ALGORITHMS["capture"] = CaptureCache
-    try:
-        with api.patched(model, algo="capture") as patch:
-            caches = patch.make_cache()
-            mx.eval(model(mx.array(tokens)[None], cache=caches))
-    finally:
-        del ALGORITHMS["capture"]
+    with api.patched(model, algo=CaptureCache) as patch:
+        caches = patch.make_cache()
+        mx.eval(model(mx.array(tokens)[None], cache=caches))
     for c in caches:
         if not isinstance(c, CaptureCache):
             raise RuntimeError("replay needs veloxpatch caches on every layer")
