@@ -108,10 +108,22 @@ def test_memory_at_4000_tokens_budget_512():
         assert abs(ratio - 512 / 4000) / (512 / 4000) <= 0.05, (algo, ratio)
 
 
-@pytest.mark.parametrize("algo", ["streaming_llm", "knorm"])
-def test_long_decode_keeps_nbytes_constant(algo):
+@pytest.mark.parametrize(
+    "algo,opts",
+    [
+        ("streaming_llm", {}),
+        ("knorm", {}),
+        ("h2o", {}),
+        ("tova", {}),
+        ("snapkv", dict(window=16)),
+        ("adakv", dict(window=16)),
+    ],
+)
+def test_long_decode_keeps_memory_bounded(algo, opts):
+    # The state is read every step, as a caller saving caches might: the prompt
+    # still ends (after the 2nd lone call at worst) and memory stays bounded.
     model = tiny_model("llama", num_hidden_layers=1)
-    with veloxpatch.patched(model, algo=algo, budget=64) as patch:
+    with veloxpatch.patched(model, algo=algo, budget=64, **opts) as patch:
         caches = patch.make_cache()
         y = prompt_tokens(8)[None]
         seen = []
@@ -119,7 +131,15 @@ def test_long_decode_keeps_nbytes_constant(algo):
             logits = model(y, cache=caches)
             y = mx.argmax(logits[:, -1:], axis=-1)
             mx.eval(y, [c.state for c in caches])
-            if step >= 64:
+            if step >= 64 + 16:
                 seen.append(kv_bytes(caches))
-    assert caches[0].offset == 8 + 4999
-    assert len(set(seen)) == 1 and caches[0].rows == 64
+                assert caches[0].rows <= caches[0].row_bound()
+    cache = caches[0]
+    assert cache.offset == 8 + 4999
+    row = 2 * cache.keys.shape[1] * cache.keys.shape[3] * 4 + 4 * cache.keys.shape[1]
+    if algo == "snapkv":  # between budget and budget + window
+        assert max(seen) <= (64 + 16) * row and min(seen) == 64 * row
+    elif algo == "adakv":  # heads padded to the largest: budget x heads at most
+        assert max(seen) <= (64 * cache.keys.shape[1] + 16) * row
+    else:
+        assert len(set(seen)) == 1 and cache.rows == 64

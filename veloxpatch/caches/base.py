@@ -82,7 +82,10 @@ class VeloxCache(_BaseCache):
         self.padded = False  # some heads hold padding rows (PAD_POSITION)
         self.offset = 0  # tokens seen = absolute position of the next token
         self._in_prompt = False  # the last calls were prompt chunks
-        self._end_pending = False  # a lone token may have ended the prompt
+        # A lone token may have ended the prompt: 1 right after multi-token calls
+        # (it may be mlx-lm's lone prefill chunk), 2 after a lone chunk (it did).
+        self._end_pending = 0
+        self._last_multi = False  # the previous call had several tokens
         self._state_read = False  # `state` was read since the last call
         self.scale = None  # the softmax scale of the layer, known after a call
 
@@ -105,8 +108,10 @@ class VeloxCache(_BaseCache):
         side = self.side_arrays()
         if side:  # evaluated with the logits, so lazy graphs never pile up
             out = mx.depends(out, side)
-        self._end_pending = L == 1 and self._in_prompt
-        self._in_prompt = L > 1 or self._end_pending
+        if L == 1 and self._in_prompt:
+            self._end_pending = 1 if self._last_multi else 2
+        self._in_prompt = L > 1 or bool(self._end_pending)
+        self._last_multi = L > 1
         self._state_read = False
         return out
 
@@ -114,17 +119,20 @@ class VeloxCache(_BaseCache):
         """mlx-lm sends the last prompt token alone, but may also send a lone token
         just before it (when len(prompt) - 1 = 1 mod prefill_step_size). It reads
         `state` after every prefill chunk and never during decode, so a lone call
-        followed by a `state` read was a chunk; otherwise it ended the prompt, and
-        `end_prompt` runs now, before the next call attends."""
-        if self._end_pending and not self._state_read:
+        right after multi-token calls and followed by a `state` read was a chunk;
+        any other lone call in a prompt ended it, and `end_prompt` runs now,
+        before the next call attends."""
+        if self._end_pending == 1 and self._state_read:
+            pass  # mlx-lm's lone prefill chunk: the prompt goes on
+        elif self._end_pending:
             self._in_prompt = False
             self.end_prompt()
-        self._end_pending = False
+        self._end_pending = 0
 
     def close_prompt(self) -> None:
         """The caller says the prompt is over (`Patch.end_prompt()`)."""
         if self._in_prompt or self._end_pending:
-            self._in_prompt = self._end_pending = False
+            self._in_prompt, self._end_pending = False, 0
             self.end_prompt()
 
     # ---- hooks ----------------------------------------------------------------
@@ -282,6 +290,7 @@ class VeloxCache(_BaseCache):
             "num_layers": self.num_layers,
             "in_prompt": self._in_prompt,
             "end_pending": self._end_pending,
+            "last_multi": self._last_multi,
             "padded": self.padded,
         }
 
@@ -292,7 +301,8 @@ class VeloxCache(_BaseCache):
         self.layer = int(m["layer"])
         self.num_layers = int(m["num_layers"])
         self._in_prompt = bool(m["in_prompt"])
-        self._end_pending = bool(m["end_pending"])
+        self._end_pending = int(m["end_pending"])
+        self._last_multi = bool(m["last_multi"])
         self.padded = bool(m["padded"])
 
     @classmethod
