@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
-from pathlib import Path
 
 from veloxpatch import blas
 
@@ -29,7 +27,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 
 import veloxpatch  # noqa: E402
 from veloxpatch.eval.replay import capture_prefill  # noqa: E402
-from veloxpatch.eval.runinfo import run_info  # noqa: E402
+from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.text import prose_tokens  # noqa: E402
 
 ALGOS = "full,streaming_llm,knorm,snapkv,pyramidkv,adakv,h2o,tova,keyformer"
@@ -113,8 +111,7 @@ def main():
             }
         )
     result = {"run": info, "config": vars(args), "table": table, "raw": rates}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result)
     print(f"\n{'arm':<14} {'tok/s':>7} {'ratio':>6} {'[min, max]':>14} {'KV MB':>8}")
     for t in table:
         print(

@@ -10,10 +10,8 @@ hits both. Reports the median of the per-pair ratios patched/unpatched.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from veloxpatch import blas
 
@@ -24,7 +22,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import veloxpatch  # noqa: E402
-from veloxpatch.eval.runinfo import run_info  # noqa: E402
+from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.text import prose_tokens  # noqa: E402
 
 
@@ -109,8 +107,7 @@ def main():
             f"{phase}: ratio median {rs['median']:.3f} "
             f"(min {rs['min']:.3f}, max {rs['max']:.3f})"
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -13,9 +13,7 @@ the `--search` budgets, in order, to find the smallest budget that reaches it.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 from veloxpatch import blas
 
@@ -25,7 +23,7 @@ import veloxpatch  # noqa: E402
 from veloxpatch.eval.arms import expand  # noqa: E402
 from veloxpatch.eval.metrics import Arm  # noqa: E402
 from veloxpatch.eval.passkey import make_cases  # noqa: E402
-from veloxpatch.eval.runinfo import run_info  # noqa: E402
+from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.runner import run_case, smallest_budget, summarize  # noqa: E402
 
 
@@ -85,8 +83,7 @@ def main():
         "smallest_budget_for_90pct_of_full": needed,
         "raw": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result)
     print(f"\n{'arm':<26} {'acc':>5} {'k/n':>7}  wilson95")
     for t in table:
         lo, hi = t["wilson95"]

@@ -11,10 +11,8 @@ one token per call (so decode-time eviction happens as in generation).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from veloxpatch import blas
 
@@ -23,7 +21,7 @@ blas.preload()
 import veloxpatch  # noqa: E402
 from veloxpatch.eval.arms import expand  # noqa: E402
 from veloxpatch.eval.metrics import evaluate_continuation  # noqa: E402
-from veloxpatch.eval.runinfo import run_info  # noqa: E402
+from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.text import prose_tokens  # noqa: E402
 
 
@@ -75,8 +73,7 @@ def main():
             }
         )
     result = {"run": info, "config": vars(args), "table": table, "raw": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result)
     print(f"\n{'arm':<28} {'ppl':>8} {'agree':>6} {'KL':>7} {'KV bytes':>12}")
     for t in table:
         print(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
 import time
+from pathlib import Path
 
 
 def run_info() -> dict:
@@ -41,3 +43,9 @@ def _git(*args) -> str:
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
+
+
+def write_results(path, result: dict) -> None:
+    """Write a results file (JSON), creating its folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
