@@ -37,6 +37,13 @@ def main():
     ap.add_argument("--context", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill-step-size", type=int, default=2048)
+    ap.add_argument(
+        "--decode-lead-in",
+        action="store_true",
+        help="end the prompt at the question and feed the answer's lead-in "
+        "('The secret number is') as answer tokens, so lookahead compresses "
+        "before the first digit is predicted",
+    )
     ap.add_argument("--out", default="scripts/results/passkey.json")
     args = ap.parse_args()
     info = run_info()  # the code and machine this run starts with
@@ -47,7 +54,14 @@ def main():
     arms = [Arm("full")] + expand(args.arms.split(","), budgets)
     rows, t0 = [], time.perf_counter()
     for i, case in enumerate(cases):
-        rows += run_case(model, tokenizer, case, arms, args.prefill_step_size)
+        rows += run_case(
+            model,
+            tokenizer,
+            case,
+            arms,
+            args.prefill_step_size,
+            decode_lead_in=args.decode_lead_in,
+        )
         done = [r for r in rows if r["seed"] == case.seed]
         print(
             f"case {i + 1}/{len(cases)} depth {case.depth:.2f} "
@@ -59,23 +73,30 @@ def main():
     full_acc = table[0]["accuracy"]
 
     for extra in [int(b) for b in args.search.split(",") if b]:
-        algos = sorted({a.algo for a in arms if a.algo != "full"})
-        missing = [a for a in algos if smallest_budget(table, a, full_acc) is None]
+        families = sorted({a.family for a in arms if a.algo != "full"})
+        missing = [f for f in families if smallest_budget(table, f, full_acc) is None]
         if not missing:
             break
         more = [
             Arm(a.algo, {**a.options, "budget": extra})
             for a in arms
-            if a.algo in missing and a.options.get("budget") == budgets[-1]
+            if a.family in missing and a.options.get("budget") == budgets[-1]
         ]
         print(f"search: budget {extra} for {', '.join(missing)}", flush=True)
         for case in cases:
-            rows += run_case(model, tokenizer, case, more, args.prefill_step_size)
+            rows += run_case(
+                model,
+                tokenizer,
+                case,
+                more,
+                args.prefill_step_size,
+                decode_lead_in=args.decode_lead_in,
+            )
         arms += more
         table = summarize(rows, arms)
 
-    algos = sorted({a.algo for a in arms if a.algo != "full"})
-    needed = {a: smallest_budget(table, a, full_acc) for a in algos}
+    families = sorted({a.family for a in arms if a.algo != "full"})
+    needed = {f: smallest_budget(table, f, full_acc) for f in families}
     result = {
         "run": info,
         "config": vars(args),
@@ -84,12 +105,12 @@ def main():
         "raw": rows,
     }
     write_results(args.out, result)
-    print(f"\n{'arm':<26} {'acc':>5} {'k/n':>7}  wilson95")
+    print(f"\n{'arm':<40} {'acc':>5} {'k/n':>7}  wilson95      KV MB")
     for t in table:
         lo, hi = t["wilson95"]
         print(
-            f"{t['arm']:<26} {t['accuracy']:5.2f} {t['correct']:>3}/{t['cases']:<3}"
-            f"  [{lo:.2f}, {hi:.2f}]"
+            f"{t['arm']:<40} {t['accuracy']:5.2f} {t['correct']:>3}/{t['cases']:<3}"
+            f"  [{lo:.2f}, {hi:.2f}]  {t['kv_mb']:6.2f}"
         )
     print("smallest budget keeping 90% of full:", needed)
     print(f"wrote {args.out}")

@@ -77,3 +77,21 @@ def test_passkey_cases_are_seeded_and_placed(loaded):
     shallow = make_case(tokenizer, 600, 0.05, seed=1)
     assert shallow.correct(f" {shallow.key}.")
     assert not shallow.correct("12345")
+
+
+def test_decoded_lead_in_same_answer_replayed_or_direct(loaded):
+    # The lead-in fed as answer tokens: replayed prefill and a direct chunked
+    # prefill give the same answers; lookahead compresses before the digits.
+    from veloxpatch.eval.metrics import Arm
+    from veloxpatch.eval.runner import run_case
+
+    model, tokenizer = loaded
+    case = make_case(tokenizer, 400, 0.5, seed=4)
+    assert case.lead_in == 4
+    arms = [Arm("full"), Arm("snapkv", dict(budget=96, window=8, lookahead=3))]
+    replayed = run_case(model, tokenizer, case, arms, decode_lead_in=True)
+    direct = run_case(model, tokenizer, case, arms, 128, decode_lead_in=True)
+    assert [r["answer"] for r in replayed] == [r["answer"] for r in direct]
+    assert replayed[0]["correct"] and replayed[0]["lead_in"] == "decoded"
+    full_kv, snap_kv = (r["kv_bytes"] for r in replayed)
+    assert snap_kv < full_kv / 3  # compressed during the lead-in

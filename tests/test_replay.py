@@ -49,3 +49,32 @@ def test_replay_equals_direct_run(arch):
             mx.array_equal(a.positions_view(), b.positions_view())
             for a, b in zip(replayed, direct)
         ), algo
+
+
+@pytest.mark.parametrize("algo", sorted(set(ALGORITHMS) - {"full"}))
+def test_budgets_share_one_attended_prefill(algo):
+    # Every registered algorithm: arms differing only in budget are derived from
+    # one attended state, in any order, and each equals its own direct run.
+    model = tiny_model("qwen3")
+    prompt = prompt_tokens(44).tolist()
+    tail = [prompt[-1], 9, 21, 4, 33, 8]
+    captured = capture_prefill(model, prompt[:-1])
+    extra = (
+        dict(window=4)
+        if "window" in ALGORITHMS[algo].Options.__dataclass_fields__
+        else {}
+    )
+    for budget in (20, 12, 60, 16):
+        opts = dict(budget=budget, **extra)
+        with veloxpatch.patched(model, algo=algo, **opts) as patch:
+            direct = patch.make_cache()
+            model(mx.array(prompt[:-1])[None], cache=direct)
+            ref = continue_from(model, direct, tail)
+            replayed = captured.caches(algo, opts)
+            got = continue_from(model, replayed, tail)
+        assert mx.array_equal(got, ref), (algo, budget)
+        assert all(
+            mx.array_equal(a.positions_view(), b.positions_view())
+            for a, b in zip(replayed, direct)
+        ), (algo, budget)
+    assert len(captured.attended) == 1

@@ -11,6 +11,7 @@ Algorithms override a few named hooks (see `VeloxCache`); they never touch mlx-l
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from typing import Any, ClassVar
@@ -213,6 +214,15 @@ class VeloxCache(_BaseCache):
         B, H = self.keys.shape[:2]
         # Nothing evicted yet: row t holds the token at position t.
         return mx.broadcast_to(mx.arange(self.rows, dtype=mx.int32), (B, H, self.rows))
+
+    def clone(self) -> VeloxCache:
+        """An independent copy: new array objects (storage is updated in place
+        by slice assignment), the same options object."""
+        new = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, mx.array):
+                setattr(new, name, mx.array(value))
+        return new
 
     @property
     def evicted(self) -> bool:

@@ -51,4 +51,5 @@ class PyramidKVCache(SnapKVCache):
 
     def row_budget(self) -> int:
         o = self.options
-        return pyramid_budgets(o.budget, o.window, self.num_layers, o.beta)[self.layer]
+        protected = o.window + o.lookahead
+        return pyramid_budgets(o.budget, protected, self.num_layers, o.beta)[self.layer]

@@ -8,6 +8,11 @@ positions (kernel k), averages them over the query heads sharing the KV head,
 and keeps the top (budget - window) plus the window. During decode it keeps
 buffering queries and recompresses to `budget` once `window` new rows have
 accumulated, so memory stays under budget + window.
+
+With `lookahead=k` the prompt-end compression waits for k answer tokens: the
+observation window is then the last `window` prompt queries plus the k
+answer-time queries (each weighted `answer_weight`), and the k answer rows are
+kept with the window. Until then the cache holds the whole prompt.
 """
 
 from __future__ import annotations
@@ -17,29 +22,42 @@ import dataclasses
 import mlx.core as mx
 
 from ..errors import OptionError
-from .eviction import EvictingCache, EvictionOptions, _check_int
+from .eviction import EvictingCache, EvictionOptions, _check_int, _check_number
 
 
 @dataclasses.dataclass
 class SnapKVOptions(EvictionOptions):
     """`window`: observation window of last queries, always kept. `kernel`: odd
-    pooling width over positions. `pool`: "max" or "avg". `sinks`: default 0."""
+    pooling width over positions. `pool`: "max" or "avg". `sinks`: default 0.
+    `lookahead`: answer tokens to wait for before the prompt-end compression.
+    `answer_weight`: weight of each answer-time query against a prompt query."""
 
     sinks: int = 0
     window: int = 32
     kernel: int = 7
     pool: str = "max"
+    lookahead: int = 0
+    answer_weight: float = 1.0
 
     def protected(self):
-        return self.sinks + self.window
+        return self.sinks + self.window + self.lookahead
 
     def __post_init__(self):
         _check_int("window", self.window, 1)
         _check_int("kernel", self.kernel, 1)
+        _check_int("lookahead", self.lookahead, 0)
+        _check_number("answer_weight", self.answer_weight, 0)
         if self.kernel % 2 == 0:
             raise OptionError(f"kernel must be odd, got {self.kernel}")
         if self.pool not in ("max", "avg"):
             raise OptionError(f"pool must be 'max' or 'avg', got {self.pool!r}")
+        if isinstance(self.budget, int) and self.lookahead * 4 > self.budget:
+            # The k answer rows are kept on top of the window: a large k would
+            # leave little of the budget to the scored prompt.
+            raise OptionError(
+                f"lookahead ({self.lookahead}) must be at most budget / 4 "
+                f"({self.budget // 4})"
+            )
         super().__post_init__()
 
 
@@ -85,26 +103,37 @@ class SnapKVCache(EvictingCache):
         super().__init__(options, layer, num_layers)
         self.window_queries = None  # last `window` post-RoPE queries [B, Hq, w, D]
         self.compressed_rows = None  # rows kept by the last compression
+        self.prompt_end = None  # position of the first answer token
+        self.lookahead_left = 0  # answer tokens still to come before compressing
 
     @property
     def recent(self):
-        return self.options.window
+        return self.options.window + self.options.lookahead
 
     # ---- hooks ------------------------------------------------------------------
     def after_attend(self, q, new_rows):
         w = self.options.window
+        n = w + self.options.lookahead
         buf = (
             q
             if self.window_queries is None
             else mx.concatenate([self.window_queries, q], axis=2)
         )
-        self.window_queries = buf[:, :, -w:] if buf.shape[2] > w else buf
-        decoding = new_rows == 1 and not self._in_prompt
-        if decoding and self.rows > self._limit() + w:
+        self.window_queries = buf[:, :, -n:] if buf.shape[2] > n else buf
+        if new_rows != 1 or self._in_prompt:
+            return
+        if self.lookahead_left:
+            self.lookahead_left -= 1
+            if not self.lookahead_left and self.rows > self.row_budget():
+                self.compress()
+        elif self.rows > self._limit() + w:
             self.compress()
 
     def end_prompt(self):
-        if self.rows > self.row_budget():
+        self.prompt_end = self.offset
+        if self.options.lookahead:
+            self.lookahead_left = self.options.lookahead  # each turn waits again
+        elif self.rows > self.row_budget():
             self.compress()
 
     def side_arrays(self):
@@ -120,6 +149,8 @@ class SnapKVCache(EvictingCache):
         )
 
     def row_bound(self) -> int:
+        if self.lookahead_left:  # the whole prompt is held until the answer starts
+            return self.rows
         return self._limit() + self.options.window
 
     def window_probs(self) -> mx.array:
@@ -131,10 +162,24 @@ class SnapKVCache(EvictingCache):
             self.window_queries, qpos, keys, self.positions_view(), self.scale
         )
 
+    def query_weights(self, n: int) -> mx.array | None:
+        """Weight of each of the last `n` buffered queries: `answer_weight` for
+        those after the prompt end, 1 for prompt queries (None: all equal)."""
+        aw = self.options.answer_weight
+        if aw == 1.0 or self.prompt_end is None:
+            return None
+        qpos = mx.arange(self.offset - n, self.offset)
+        return mx.where(qpos >= self.prompt_end, aw, 1.0).astype(mx.float32)
+
     def scores(self, q=None) -> mx.array:
-        """SnapKV score per stored row [B, Hkv, T]: summed window attention,
-        pooled over positions, averaged over the GQA group."""
-        summed = self.window_probs().sum(axis=3)  # [B, Hkv, G, T]
+        """SnapKV score per stored row [B, Hkv, T]: summed window attention
+        (answer-time queries weighted), pooled over positions, averaged over the
+        GQA group."""
+        probs = self.window_probs()  # [B, Hkv, G, n, T]
+        weights = self.query_weights(probs.shape[3])
+        if weights is not None:
+            probs = probs * weights[:, None]
+        summed = probs.sum(axis=3)  # [B, Hkv, G, T]
         pooled = pool_positions(summed, self.options.kernel, self.options.pool)
         return pooled.mean(axis=2)
 
@@ -157,9 +202,13 @@ class SnapKVCache(EvictingCache):
     def meta_state(self):
         m = super().meta_state
         m["compressed_rows"] = self.compressed_rows
+        m["prompt_end"] = self.prompt_end
+        m["lookahead_left"] = self.lookahead_left
         return m
 
     @meta_state.setter
     def meta_state(self, m):
         EvictingCache.meta_state.fset(self, m)
         self.compressed_rows = m.get("compressed_rows")
+        self.prompt_end = m.get("prompt_end")
+        self.lookahead_left = int(m.get("lookahead_left", 0))

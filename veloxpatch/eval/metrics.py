@@ -28,6 +28,12 @@ class Arm:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
         return f"{self.algo}:{opts}" if opts else self.algo
 
+    @property
+    def family(self) -> str:
+        """The label without the budget: arms that differ only in budget."""
+        rest = {k: v for k, v in self.options.items() if k != "budget"}
+        return Arm(self.algo, rest).label
+
 
 def prefill(model, caches, ids, prefill_step_size: int = 2048) -> mx.array:
     """Process `ids` like mlx-lm's generate_step: chunks, then the last token alone.

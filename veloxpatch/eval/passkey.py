@@ -29,6 +29,7 @@ class PasskeyCase:
     key: str
     depth: float  # where the needle sits in the prose, 0..1
     seed: int
+    lead_in: int = 0  # the last `lead_in` prompt tokens are ANSWER, the lead-in
 
     def correct(self, answer: str) -> bool:
         return self.key in answer.replace(" ", "")
@@ -54,10 +55,11 @@ def make_case(
     body = INTRO + before + NEEDLE.format(key=key) + after + QUESTION
     text = chat_prompt(tokenizer, body, chat)
     plain = text == body  # no chat template: a completion prompt, with BOS
-    ids = tokenizer.encode(
-        text + ("\n" if plain else "") + ANSWER, add_special_tokens=plain
-    )
-    return PasskeyCase(ids, key, depth, seed)
+    text += "\n" if plain else ""
+    ids = tokenizer.encode(text + ANSWER, add_special_tokens=plain)
+    question = tokenizer.encode(text, add_special_tokens=plain)
+    lead_in = len(ids) - len(question) if ids[: len(question)] == question else 0
+    return PasskeyCase(ids, key, depth, seed, lead_in)
 
 
 def make_cases(

@@ -7,11 +7,15 @@ prompt once through capturing caches that record each layer's pre-RoPE q, k, v
 (with its rope, scale and query scale), then build any algorithm's caches by
 replaying those calls into fresh caches. The result is the same state a direct
 run produces (tested), at the cost of the attention alone.
+
+Arms that differ only in `budget` share even that: a single-call prefill attends
+the same way whatever the budget (eviction is deferred to `after_attend`), so
+the attended state is computed once and each arm runs `after_attend` on a copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -38,6 +42,8 @@ class CaptureCache(FullCache):
 class Captured:
     calls: list  # per layer: list of (q, k, v, rope, scale, query_scale)
     tokens: list[int]  # the tokens processed
+    # (algo, options but budget) -> per layer (cache before after_attend, its q)
+    attended: dict = field(default_factory=dict)
 
     def caches(self, algo: str, options: dict | None = None, chunks=None):
         """Fresh caches of `algo` in the state a direct run over `tokens` leaves
@@ -45,13 +51,41 @@ class Captured:
         cls = ALGORITHMS[algo]
         opts = cls.Options.create(algo, dict(options or {}))
         n = len(self.calls)
-        caches = [cls(opts, layer, n) for layer in range(n)]
-        for cache, calls in zip(caches, self.calls):
-            for q, k, v, rope, scale, query_scale in _split(calls, chunks):
-                cache.attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
-            _ = cache.state  # as mlx-lm does after each prefill chunk
+        if chunks or any(len(calls) != 1 for calls in self.calls):
+            caches = [cls(opts, layer, n) for layer in range(n)]
+            for cache, calls in zip(caches, self.calls):
+                for q, k, v, rope, scale, query_scale in _split(calls, chunks):
+                    cache.attend(
+                        q, k, v, rope=rope, scale=scale, query_scale=query_scale
+                    )
+                _ = cache.state  # as mlx-lm does after each prefill chunk
+        else:
+            rest = {k: v for k, v in (options or {}).items() if k != "budget"}
+            key = (algo, repr(sorted(rest.items())))
+            if key not in self.attended:
+                self.attended[key] = self._attend_once(cls, opts)
+            caches = []
+            for base, q in self.attended[key]:
+                cache = base.clone()
+                cache.options = opts
+                cache.after_attend(q, q.shape[2])
+                _ = cache.state
+                caches.append(cache)
         mx.eval([c.arrays() for c in caches])
         return caches
+
+    def _attend_once(self, cls, opts):
+        """Per layer, a cache that attended the single captured call but has not
+        run `after_attend` yet, with the (roped, scaled) queries it would get."""
+        out = []
+        for layer, ((q, k, v, rope, scale, query_scale),) in enumerate(self.calls):
+            cache, seen = cls(opts, layer, len(self.calls)), []
+            cache.after_attend = lambda q, new_rows, seen=seen: seen.append(q)
+            cache.attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
+            del cache.after_attend  # the class hook again
+            mx.eval(cache.arrays(), seen)
+            out.append((cache, seen[0]))
+        return out
 
 
 def _split(calls, chunks):

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from .. import api
-from .metrics import Arm
+from .metrics import Arm, prefill
 from .passkey import PasskeyCase, wilson
 from .replay import capture_prefill
 
@@ -33,26 +33,49 @@ def answer(model, tokenizer, prompt_tail, caches, max_tokens=12) -> str:
 
 
 def run_case(
-    model, tokenizer, case: PasskeyCase, arms, prefill_step_size=2048, max_tokens=12
+    model,
+    tokenizer,
+    case: PasskeyCase,
+    arms,
+    prefill_step_size=2048,
+    max_tokens=12,
+    decode_lead_in=False,
 ) -> list[dict]:
     """Every arm on one case. When the prompt fits one prefill chunk, prefill it
-    once and replay it into each arm's caches; otherwise run each arm directly."""
-    head, tail = case.prompt[:-1], case.prompt[-1:]
+    once and replay it into each arm's caches; otherwise run each arm directly.
+
+    With `decode_lead_in` the answer's lead-in ("The secret number is") is not
+    part of the prompt: the prompt ends with the question and the lead-in is fed
+    token by token as the start of the answer (teacher-forced), as if the model
+    had written it; the caches see those calls as answer-time decode steps."""
+    lead = case.lead_in if decode_lead_in else 0
+    if decode_lead_in and not lead:
+        raise ValueError("this case has no separable lead-in")
+    split = len(case.prompt) - lead  # the question ends here
+    head = case.prompt[: split - 1]
+    forced = case.prompt[split - 1 : -1] if lead else []  # fed one token a call
     replay = len(head) <= prefill_step_size
     captured = capture_prefill(model, head) if replay else None
     rows = []
     for arm in arms:
         with api.patched(model, algo=arm.algo, **arm.options) as patch:
+            fed = 0
             if replay:
                 caches = captured.caches(arm.algo, arm.options)
-                prompt = tail
             else:
-                caches, prompt = patch.make_cache(), case.prompt
-            text = answer(model, tokenizer, prompt, caches, max_tokens)
+                caches = patch.make_cache()
+                if lead:
+                    prefill(model, caches, case.prompt[:split], prefill_step_size)
+                    fed = 1
+            for tok in forced[fed:]:
+                model(mx.array([[tok]]), cache=caches)
+            tail = case.prompt[-1:] if (replay or lead) else case.prompt
+            text = answer(model, tokenizer, tail, caches, max_tokens)
             kv = sum(c.nbytes for c in caches)
         rows.append(
             {
                 "arm": arm.label,
+                "family": arm.family,
                 "algo": arm.algo,
                 "options": dict(arm.options),
                 "seed": case.seed,
@@ -64,6 +87,7 @@ def run_case(
                 "kv_bytes": kv,
                 "prefill_step_size": prefill_step_size,
                 "replayed_prefill": replay,
+                "lead_in": "decoded" if lead else "prompt",
             }
         )
     return rows
@@ -78,12 +102,15 @@ def summarize(rows, arms) -> list[dict]:
         table.append(
             {
                 "arm": arm.label,
+                "family": arm.family,
                 "algo": arm.algo,
                 "budget": arm.options.get("budget"),
                 "correct": k,
                 "cases": n,
                 "accuracy": k / n if n else 0.0,
                 "wilson95": wilson(k, n),
+                # KV held when the answer was done (mean over cases)
+                "kv_mb": sum(r["kv_bytes"] for r in mine) / max(1, n) / 1e6,
                 "by_depth": {
                     str(d): sum(r["correct"] for r in mine if round(r["depth"], 3) == d)
                     / max(1, sum(1 for r in mine if round(r["depth"], 3) == d))
@@ -94,12 +121,13 @@ def summarize(rows, arms) -> list[dict]:
     return table
 
 
-def smallest_budget(table, algo: str, full_accuracy: float, share=0.9):
-    """Smallest evaluated budget of `algo` at or above share x full accuracy."""
+def smallest_budget(table, family: str, full_accuracy: float, share=0.9):
+    """Smallest evaluated budget of an arm family (its label without the budget)
+    at or above share x full accuracy."""
     ok = [
         t["budget"]
         for t in table
-        if t["algo"] == algo
+        if t["family"] == family
         and t["budget"] is not None
         and t["accuracy"] >= share * full_accuracy
     ]
