@@ -5,9 +5,13 @@ each arm's caches (cut into mlx-lm's prefill chunks); then every repeat decodes
 `--decode-tokens` greedy tokens through mlx-lm's generate_step from a copy of
 each arm's caches, arms interleaved (order rotating), and reports the median
 tok/s, the median of per-repeat ratios against unpatched mlx-lm (a plain
-KVCache holding the same context), KV bytes held and peak memory.
+KVCache holding the same context), KV bytes held and peak memory. The rate of
+the first `--early` tokens is reported apart from the rest (lookahead arms hold
+the whole prompt until then). Arms are written `NAME[:key=value,...]`; an arm
+without a budget gets `--budget`.
 
-    .venv/bin/python scripts/bench_decode.py --context 4000 --budget 512
+    .venv/bin/python scripts/bench_decode.py --context 4000 --budget 512 \
+        --arms full,snapkv,snapkv:lookahead=16
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 import veloxpatch  # noqa: E402
+from veloxpatch.eval.arms import expand  # noqa: E402
 from veloxpatch.eval.replay import capture_prefill  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.text import prose_tokens  # noqa: E402
@@ -41,19 +46,25 @@ def as_mlx_kvcache(cache) -> KVCache:
     return kv
 
 
-def decode_rate(model, tail, caches, n):
+def decode_times(model, tail, caches, n) -> list[float]:
+    """Seconds per decoded token (mlx-lm computes one step ahead, so the time
+    between two yields is one decode step)."""
     steps = generate_step(mx.array(tail), model, max_tokens=n + 1, prompt_cache=caches)
     next(steps)  # the last prompt token
-    t0 = time.perf_counter()
-    count = sum(1 for _ in steps)
-    return count / (time.perf_counter() - t0)
+    times, t0 = [], time.perf_counter()
+    for _ in steps:
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    return times
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=4000)
     ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--algos", default=ALGOS)
+    ap.add_argument("--arms", "--algos", dest="arms", default=ALGOS)
+    ap.add_argument("--early", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prefill-step-size", type=int, default=2048)
@@ -70,12 +81,12 @@ def main():
     step = args.prefill_step_size
     chunks = [min(step, len(head) - s) for s in range(0, len(head), step)]
     arms = {}
-    for algo in args.algos.split(","):
-        opts = {} if algo == "full" else {"budget": args.budget}
-        arms[algo] = captured.caches(algo, opts, chunks)
+    for arm in expand(["full"] + args.arms.split(","), [args.budget]):
+        arms[arm.label] = captured.caches(arm.algo, arm.options, chunks)
     arms = {"unpatched": [as_mlx_kvcache(c) for c in arms["full"]], **arms}
 
     rates = {a: [] for a in arms}
+    early, late = {a: [] for a in arms}, {a: [] for a in arms}
     kv, peak = {}, {}
     names = list(arms)
     for r in range(args.repeats):
@@ -84,11 +95,14 @@ def main():
             caches = copy.deepcopy(arms[name])
             mx.reset_peak_memory()
             if name == "unpatched":
-                rate = decode_rate(model, tail, caches, args.decode_tokens)
+                times = decode_times(model, tail, caches, args.decode_tokens)
             else:
                 with veloxpatch.patched(model, algo="full"):
-                    rate = decode_rate(model, tail, caches, args.decode_tokens)
-            rates[name].append(rate)
+                    times = decode_times(model, tail, caches, args.decode_tokens)
+            rates[name].append(len(times) / sum(times))
+            e = args.early
+            early[name].append(len(times[:e]) / sum(times[:e]))
+            late[name].append(len(times[e:]) / max(sum(times[e:]), 1e-9))
             kv[name] = sum(c.nbytes for c in caches)
             peak[name] = mx.get_peak_memory()
         print(
@@ -106,18 +120,26 @@ def main():
                 "ratio_vs_unpatched_median": statistics.median(ratios),
                 "ratio_min": min(ratios),
                 "ratio_max": max(ratios),
+                "early_tok_per_s_median": statistics.median(early[name]),
+                "late_tok_per_s_median": statistics.median(late[name]),
                 "kv_bytes": kv[name],
                 "peak_memory_bytes": peak[name],
             }
         )
-    result = {"run": info, "config": vars(args), "table": table, "raw": rates}
+    raw = {"rates": rates, "early": early, "late": late}
+    result = {"run": info, "config": vars(args), "table": table, "raw": raw}
     write_results(args.out, result)
-    print(f"\n{'arm':<14} {'tok/s':>7} {'ratio':>6} {'[min, max]':>14} {'KV MB':>8}")
+    print(
+        f"\n{'arm':<30} {'tok/s':>7} {'ratio':>6} {'[min, max]':>14} "
+        f"{'early':>6} {'late':>6} {'KV MB':>8}"
+    )
     for t in table:
         print(
-            f"{t['arm']:<14} {t['decode_tok_per_s_median']:7.2f} "
+            f"{t['arm']:<30} {t['decode_tok_per_s_median']:7.2f} "
             f"{t['ratio_vs_unpatched_median']:6.2f} "
-            f"[{t['ratio_min']:.2f}, {t['ratio_max']:.2f}] {t['kv_bytes'] / 1e6:8.1f}"
+            f"[{t['ratio_min']:.2f}, {t['ratio_max']:.2f}] "
+            f"{t['early_tok_per_s_median']:6.2f} {t['late_tok_per_s_median']:6.2f} "
+            f"{t['kv_bytes'] / 1e6:8.1f}"
         )
     print(f"wrote {args.out}")
 

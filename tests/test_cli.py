@@ -15,6 +15,8 @@ def test_list_shows_algorithms_and_architectures():
     assert out.exit_code == 0
     for word in ("full", "streaming_llm", "knorm", "qwen3_moe", "ministral3", "BLAS:"):
         assert word in out.output
+    assert "lookahead=0" in out.output  # options with their defaults
+    assert "lookahead=k waits" in run("list").output  # the trade-off, also short
 
 
 def test_unknown_algorithm_is_one_line_exit_2():

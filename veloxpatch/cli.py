@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import textwrap
 
 import click
 
@@ -115,6 +116,13 @@ def list_(verbose):
     click.echo("algorithms:")
     for name, cls in ALGORITHMS.items():
         click.echo(f"  {name:<14} {cls.summary}")
+        if verbose:
+            defaults = ", ".join(f"{k}={v}" for k, v in cls.Options().as_dict().items())
+            for line in textwrap.wrap(f"options: {defaults or '(none)'}", 62):
+                click.echo(f"  {'':<14} {line}")
+        if cls.note and (verbose or "note" in vars(cls)):
+            for line in textwrap.wrap(cls.note, 62):
+                click.echo(f"  {'':<14} {line}")
     click.echo("architectures (mlx-lm model types):")
     for adapter in ADAPTERS:
         click.echo(f"  {adapter.name:<14} {', '.join(adapter.model_types)}")

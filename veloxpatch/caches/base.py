@@ -67,6 +67,7 @@ class VeloxCache(_BaseCache):
 
     name: ClassVar[str] = "base"
     summary: ClassVar[str] = ""  # one line for `veloxpatch list`
+    note: ClassVar[str] = ""  # a trade-off worth knowing, printed under it
     Options: ClassVar[type[CacheOptions]] = CacheOptions
     step: ClassVar[int] = 256
 

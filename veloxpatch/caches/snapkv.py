@@ -97,6 +97,11 @@ def window_attention(queries, qpos, keys, pos, scale) -> mx.array:
 class SnapKVCache(EvictingCache):
     name = "snapkv"
     summary = "top attention of the last w prompt queries, pooled; + the window"
+    note = (
+        "lookahead=k waits for k answer tokens and scores with their queries too, "
+        "so the answer chooses what is kept. Until then the whole prompt stays in "
+        "memory: peak memory is unchanged, memory after k tokens is the budget."
+    )
     Options = SnapKVOptions
 
     def __init__(self, options=None, layer=0, num_layers=1):
