@@ -139,3 +139,6 @@ def list_(verbose):
 
 if __name__ == "__main__":
     main()
+
+
+from . import cli_eval  # noqa: E402, F401  (registers `eval` and `bench`)

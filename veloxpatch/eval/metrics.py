@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-from .. import api
 from .replay import capture_prefill
 
 
@@ -35,19 +34,6 @@ class Arm:
         return Arm(self.algo, rest).label
 
 
-def prefill(model, caches, ids, prefill_step_size: int = 2048) -> mx.array:
-    """Process `ids` like mlx-lm's generate_step: chunks, then the last token alone.
-    Returns the logits of the last token [V]."""
-    ids = list(ids)
-    start = 0
-    while len(ids) - start > 1:
-        n = min(prefill_step_size, len(ids) - start - 1)
-        model(mx.array(ids[start : start + n])[None], cache=caches)
-        mx.eval([c.state for c in caches])
-        start += n
-    return model(mx.array(ids[start:])[None], cache=caches)[0, -1]
-
-
 def teacher_forced(model, caches, logits, continuation) -> mx.array:
     """Log-probabilities [T, V]: `logits` predicts continuation[0], then each
     continuation token is fed alone (decode-time eviction as in generation)."""
@@ -64,16 +50,16 @@ def arm_logprobs(
     model, arm: Arm, context, continuation, prefill_step_size=2048, captured=None
 ):
     """(log-probabilities, KV bytes held at the end) of one arm. With `captured`
-    (a replay of context[:-1], see replay.py) the prefill is not run again."""
-    with api.patched(model, algo=arm.algo, **arm.options) as patch:
-        if captured is not None:
-            caches = captured.caches(arm.algo, arm.options)
-            logits = model(mx.array([context[-1:]]), cache=caches)[0, -1]
-        else:
-            caches = patch.make_cache()
-            logits = prefill(model, caches, context, prefill_step_size)
+    (a replay of context[:-1], see replay.py) our arms are not prefilled again."""
+    from .sessions import arm_caches, kv_bytes
+
+    with arm_caches(model, arm, context[:-1], captured, prefill_step_size) as (
+        caches,
+        _,
+    ):
+        logits = model(mx.array([context[-1:]]), cache=caches)[0, -1]
         lp = teacher_forced(model, caches, logits, continuation)
-        kv = sum(c.nbytes for c in caches)
+        kv = kv_bytes(caches)
     return lp, kv
 
 

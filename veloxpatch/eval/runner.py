@@ -7,10 +7,10 @@ import re
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from .. import api
-from .metrics import Arm, prefill
+from .metrics import Arm
 from .passkey import PasskeyCase, wilson
 from .replay import capture_prefill
+from .sessions import arm_caches, kv_bytes
 
 DIGITS = re.compile(r"\d{5}")
 
@@ -58,20 +58,14 @@ def run_case(
     captured = capture_prefill(model, head) if replay else None
     rows = []
     for arm in arms:
-        with api.patched(model, algo=arm.algo, **arm.options) as patch:
-            fed = 0
-            if replay:
-                caches = captured.caches(arm.algo, arm.options)
-            else:
-                caches = patch.make_cache()
-                if lead:
-                    prefill(model, caches, case.prompt[:split], prefill_step_size)
-                    fed = 1
-            for tok in forced[fed:]:
+        with arm_caches(model, arm, head, captured, prefill_step_size) as (
+            caches,
+            replayed,
+        ):
+            for tok in forced:
                 model(mx.array([[tok]]), cache=caches)
-            tail = case.prompt[-1:] if (replay or lead) else case.prompt
-            text = answer(model, tokenizer, tail, caches, max_tokens)
-            kv = sum(c.nbytes for c in caches)
+            text = answer(model, tokenizer, case.prompt[-1:], caches, max_tokens)
+            kv = kv_bytes(caches)
         rows.append(
             {
                 "arm": arm.label,
@@ -86,7 +80,7 @@ def run_case(
                 "correct": case.correct(text),
                 "kv_bytes": kv,
                 "prefill_step_size": prefill_step_size,
-                "replayed_prefill": replay,
+                "replayed_prefill": replayed,
                 "lead_in": "decoded" if lead else "prompt",
             }
         )

@@ -1,0 +1,112 @@
+"""`veloxpatch eval` and `veloxpatch bench` end to end on the embedded model,
+small enough to be quick; the metrics themselves are tested in test_eval."""
+
+import json
+import sys
+
+from click.testing import CliRunner
+from conftest import smollm
+
+from veloxpatch.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@smollm
+def test_eval_writes_tables_raw_rows_and_reports_skipped(tmp_path, monkeypatch):
+    from veloxpatch.eval import peers
+
+    monkeypatch.setattr(peers, "veloxquant_available", lambda: False)
+    out = tmp_path / "r.json"
+    res = run(
+        "eval",
+        "--arms",
+        "streaming_llm,mlx.rotating,mlx.quantized:kv_bits=8,veloxquant.tova",
+        "--budgets",
+        "64",
+        "--tasks",
+        "passkey,ppl",
+        "--context",
+        300,
+        "--cases",
+        2,
+        "--segments",
+        1,
+        "--continuation",
+        12,
+        "--out",
+        out,
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    labels = [t["arm"] for t in data["passkey"]["table"]]
+    assert labels[0] == "full"  # added as the reference
+    assert "streaming_llm:budget=64" in labels and "mlx.rotating:budget=64" in labels
+    assert "mlx.quantized:kv_bits=8" in labels  # no budget: not expanded
+    assert len(data["passkey"]["raw"]) == 2 * len(labels)
+    cont = {t["arm"]: t for t in data["continuation"]["table"]}
+    assert cont["full"]["kl"] == 0 and cont["full"]["agreement"] == 1
+    assert cont["streaming_llm:budget=64"]["kv_mb"] < cont["full"]["kv_mb"]
+    assert cont["mlx.rotating:budget=64"]["kv_mb"] < cont["full"]["kv_mb"]
+    assert [s["arm"] for s in data["skipped"]] == ["veloxquant.tova:budget=64"]
+    assert "skipped veloxquant.tova" in res.output
+    assert data["run"]["mlx_lm"] and "passkey" in res.output
+
+
+def test_eval_rejects_bad_arms_before_running(tmp_path):
+    out = tmp_path / "r.json"
+    for arms, msg in [
+        ("nope", "unknown algorithm 'nope'"),
+        ("snapkv:window=0", "window"),
+        ("mlx.rotating:budget=0", "budget"),
+        ("mlx.quantized:kv_bits=7", "kv_bits"),
+        ("veloxquant.adakv:budget=64", "no veloxquant equivalent"),
+    ]:
+        res = run("eval", "--arms", arms, "--out", out)
+        assert res.exit_code == 2, (arms, res.output)
+        assert msg in res.output.strip().splitlines()[-1]
+    res = run("eval", "--arms", "full", "--tasks", "speed", "--out", out)
+    assert res.exit_code == 2 and "unknown task" in res.output
+    assert not out.exists()
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    res = run("eval", "--arms", "full", "--out", tmp_path / "r.json", "--plot", "p.png")
+    assert res.exit_code == 2
+    assert "pip install 'veloxpatch[plot]'" in res.output
+
+
+@smollm
+def test_bench_measures_against_unpatched(tmp_path):
+    out = tmp_path / "b.json"
+    res = run(
+        "bench",
+        "--arms",
+        "streaming_llm,mlx.rotating",
+        "--budgets",
+        32,
+        "--contexts",
+        80,
+        "--repeats",
+        2,
+        "--decode-tokens",
+        3,
+        "--out",
+        out,
+    )
+    assert res.exit_code == 0, res.output
+    table = {t["arm"]: t for t in json.loads(out.read_text())["table"]}
+    assert set(table) == {
+        "unpatched",
+        "streaming_llm:budget=32",
+        "mlx.rotating:budget=32",
+    }
+    assert table["unpatched"]["decode_ratio"] == 1.0
+    assert table["streaming_llm:budget=32"]["kv_bytes"] < table["unpatched"]["kv_bytes"]
+    assert all(
+        t["prefill_tok_per_s"] > 0 and t["peak_memory_bytes"] > 0
+        for t in table.values()
+    )

@@ -1,0 +1,205 @@
+"""`veloxpatch eval` and `veloxpatch bench`: quality and speed of any arms, ours
+and the tools users would pick instead, side by side."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .cli import _user_errors, main
+
+
+def _ints(text: str) -> list[int]:
+    from .errors import OptionError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise OptionError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _check_arms(arms):
+    """Validate every arm before anything runs; return (runnable, skipped)."""
+    from .api import algorithm
+    from .eval.sessions import is_peer
+
+    runnable, skipped = [], []
+    for arm in arms:
+        if not is_peer(arm.algo):
+            cls = algorithm(arm.algo)  # unknown names raise here
+            cls.Options.create(arm.algo, dict(arm.options))
+            runnable.append(arm)
+            continue
+        from .eval import peers
+
+        reason = peers.check(arm.algo, dict(arm.options))  # raises when invalid
+        if reason is None:
+            runnable.append(arm)
+        else:
+            skipped.append({"arm": arm.label, "reason": reason})
+    return runnable, skipped
+
+
+def _progress(total: int, label: str):
+    bar = click.progressbar(length=total, label=label, file=sys.stderr)
+    return bar
+
+
+common = [
+    click.option("--model", default=None, help="default: the embedded SmolLM2"),
+    click.option(
+        "--arms",
+        required=True,
+        help="NAME[:key=value,...],... e.g. snapkv,mlx.rotating",
+    ),
+    click.option("--budgets", default="", help="budgets for arms that name none"),
+    click.option("--prefill-step-size", type=int, default=2048, show_default=True),
+    click.option(
+        "--text",
+        default="evaluation",
+        help="prose: the built-in evaluation half, or a file",
+    ),
+    click.option("--out", required=True, help="results JSON"),
+]
+
+
+def _with(options):
+    def wrap(fn):
+        for opt in reversed(options):
+            fn = opt(fn)
+        return fn
+
+    return wrap
+
+
+@main.command("eval")
+@_with(common)
+@click.option("--tasks", default="passkey,ppl,agreement", show_default=True)
+@click.option("--context", type=int, default=1500, show_default=True)
+@click.option("--cases", type=int, default=20, show_default=True, help="passkey cases")
+@click.option(
+    "--segments", type=int, default=2, show_default=True, help="ppl stretches"
+)
+@click.option("--continuation", type=int, default=256, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--plot", "plot_path", default=None, help="PNG: quality against budget")
+@_user_errors
+def eval_(
+    model,
+    arms,
+    budgets,
+    prefill_step_size,
+    text,
+    out,
+    tasks,
+    context,
+    cases,
+    segments,
+    continuation,
+    seed,
+    plot_path,
+):
+    """Passkey accuracy, perplexity and agreement with full, per arm."""
+    from . import models
+    from .eval import harness
+    from .eval.metrics import Arm
+    from .eval.runinfo import run_info, write_results
+
+    task_list = harness.parse_tasks(tasks)
+    arm_list = harness.expand_arms(arms.split(","), _ints(budgets))
+    if not any(a.algo == "full" and not a.options for a in arm_list):
+        arm_list.insert(0, Arm("full"))  # the reference every table needs
+    arm_list, skipped = _check_arms(arm_list)
+    for s in skipped:
+        click.echo(f"skipped {s['arm']}: {s['reason']}", err=True)
+    if plot_path:
+        from .eval.plot import plot, require
+
+        require()  # a missing matplotlib fails now, not after the run
+    info = run_info()
+    loaded, tokenizer = models.load(model)
+    results = {
+        "run": info,
+        "config": dict(click.get_current_context().params),
+        "skipped": skipped,
+    }
+    kw = dict(context=context, text=text, step=prefill_step_size)
+    if "passkey" in task_list:
+        with _progress(cases, "passkey cases") as bar:
+            rows, table = harness.passkey(
+                loaded,
+                tokenizer,
+                arm_list,
+                cases=cases,
+                seed=seed,
+                tick=lambda: bar.update(1),
+                **kw,
+            )
+        results["passkey"] = {"table": table, "raw": rows}
+    if {"ppl", "agreement"} & set(task_list):
+        with _progress(segments, "continuations") as bar:
+            rows, table = harness.continuation(
+                loaded,
+                tokenizer,
+                arm_list,
+                length=continuation,
+                segments=segments,
+                tick=lambda: bar.update(1),
+                **kw,
+            )
+        results["continuation"] = {"table": table, "raw": rows}
+    write_results(out, results)
+    click.echo(harness.format_tables(results))
+    if plot_path:
+        plot(results, plot_path)
+        click.echo(f"plot: {plot_path}")
+    click.echo(f"results: {out}")
+
+
+@main.command("bench")
+@_with(common)
+@click.option("--contexts", default="1000,2000,4000", show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--decode-tokens", type=int, default=32, show_default=True)
+@_user_errors
+def bench(
+    model, arms, budgets, prefill_step_size, text, out, contexts, repeats, decode_tokens
+):
+    """Prefill/decode tok/s, KV bytes and peak memory vs unpatched mlx-lm."""
+    from . import models
+    from .eval import bench as bench_mod
+    from .eval import harness
+    from .eval.runinfo import run_info, write_results
+
+    arm_list = harness.expand_arms(arms.split(","), _ints(budgets))
+    arm_list, skipped = _check_arms(arm_list)
+    for s in skipped:
+        click.echo(f"skipped {s['arm']}: {s['reason']}", err=True)
+    ctx = _ints(contexts)
+    info = run_info()
+    loaded, tokenizer = models.load(model)
+    with _progress(len(ctx) * repeats, "repeats") as bar:
+        raw, table = bench_mod.run(
+            loaded,
+            tokenizer,
+            arm_list,
+            ctx,
+            repeats=repeats,
+            decode_tokens=decode_tokens,
+            step=prefill_step_size,
+            text=text,
+            tick=lambda: bar.update(1),
+        )
+    write_results(
+        out,
+        {
+            "run": info,
+            "config": dict(click.get_current_context().params),
+            "skipped": skipped,
+            "table": table,
+            "raw": raw,
+        },
+    )
+    click.echo(bench_mod.format_table(table))
+    click.echo(f"results: {out}")
