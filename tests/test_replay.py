@@ -29,6 +29,22 @@ def continue_from(model, caches, tokens):
     return mx.stack(outs)
 
 
+def assert_replay_is_direct(model, captured, prompt, tail, algo, opts):
+    """Replayed caches give the logits, offsets and kept rows of a direct run."""
+    with veloxpatch.patched(model, algo=algo, **opts) as patch:
+        direct = patch.make_cache()
+        model(mx.array(prompt[:-1])[None], cache=direct)
+        ref = continue_from(model, direct, tail)
+        replayed = captured.caches(algo, opts)
+        got = continue_from(model, replayed, tail)
+    assert mx.array_equal(got, ref), (algo, opts)
+    assert [c.offset for c in replayed] == [c.offset for c in direct]
+    assert all(
+        mx.array_equal(a.positions_view(), b.positions_view())
+        for a, b in zip(replayed, direct)
+    ), (algo, opts)
+
+
 @pytest.mark.parametrize("arch", ["llama", "ministral3"])
 def test_replay_equals_direct_run(arch):
     model = tiny_model(arch)
@@ -37,18 +53,7 @@ def test_replay_equals_direct_run(arch):
     captured = capture_prefill(model, prompt[:-1])
     assert "capture" not in ALGORITHMS
     for algo, opts in ARMS:
-        with veloxpatch.patched(model, algo=algo, **opts) as patch:
-            direct = patch.make_cache()
-            model(mx.array(prompt[:-1])[None], cache=direct)
-            ref = continue_from(model, direct, tail)
-            replayed = captured.caches(algo, opts)
-            got = continue_from(model, replayed, tail)
-        assert mx.array_equal(got, ref), algo
-        assert [c.offset for c in replayed] == [c.offset for c in direct]
-        assert all(
-            mx.array_equal(a.positions_view(), b.positions_view())
-            for a, b in zip(replayed, direct)
-        ), algo
+        assert_replay_is_direct(model, captured, prompt, tail, algo, opts)
 
 
 @pytest.mark.parametrize("algo", sorted(set(ALGORITHMS) - {"full"}))
@@ -66,15 +71,5 @@ def test_budgets_share_one_attended_prefill(algo):
     )
     for budget in (20, 12, 60, 16):
         opts = dict(budget=budget, **extra)
-        with veloxpatch.patched(model, algo=algo, **opts) as patch:
-            direct = patch.make_cache()
-            model(mx.array(prompt[:-1])[None], cache=direct)
-            ref = continue_from(model, direct, tail)
-            replayed = captured.caches(algo, opts)
-            got = continue_from(model, replayed, tail)
-        assert mx.array_equal(got, ref), (algo, budget)
-        assert all(
-            mx.array_equal(a.positions_view(), b.positions_view())
-            for a, b in zip(replayed, direct)
-        ), (algo, budget)
+        assert_replay_is_direct(model, captured, prompt, tail, algo, opts)
     assert len(captured.attended) == 1
