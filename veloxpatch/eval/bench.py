@@ -14,8 +14,9 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from ..memory import kv_bytes
 from .metrics import Arm
-from .sessions import arm_caches, kv_bytes
+from .sessions import arm_caches
 from .text import prose_tokens
 
 BASELINE = Arm("unpatched")

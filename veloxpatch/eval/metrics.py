@@ -51,7 +51,8 @@ def arm_logprobs(
 ):
     """(log-probabilities, KV bytes held at the end) of one arm. With `captured`
     (a replay of context[:-1], see replay.py) our arms are not prefilled again."""
-    from .sessions import arm_caches, kv_bytes
+    from ..memory import kv_bytes
+    from .sessions import arm_caches
 
     with arm_caches(model, arm, context[:-1], captured, prefill_step_size) as (
         caches,

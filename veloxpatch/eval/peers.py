@@ -148,20 +148,22 @@ def check(name: str, options: dict) -> str | None:
         _mlx_factory(name.removeprefix("mlx."), options)
         return None
     algo = name.removeprefix("veloxquant.")
-    if algo not in PEER_ALGOS:
-        why = _NO_PEER.get(algo, f"available: {', '.join(PEER_ALGOS)}")
-        raise OptionError(f"no veloxquant equivalent of {algo!r}: {why}")
+    _peer_of(algo)
     if not veloxquant_available():
         return "needs veloxquant-mlx (pip install 'veloxpatch[compare]')"
     _veloxquant_config(algo, options, rope_theta=None)
     return None
 
 
-def _veloxquant_config(algo: str, options: dict, rope_theta):
-    peer = PEER_ALGOS.get(algo)
-    if peer is None:
+def _peer_of(algo: str) -> Peer:
+    if algo not in PEER_ALGOS:
         why = _NO_PEER.get(algo, f"available: {', '.join(PEER_ALGOS)}")
         raise OptionError(f"no veloxquant equivalent of {algo!r}: {why}")
+    return PEER_ALGOS[algo]
+
+
+def _veloxquant_config(algo: str, options: dict, rope_theta):
+    peer = _peer_of(algo)
     vq_options, KVCacheConfig, _ = _veloxquant()
     options_cls = getattr(vq_options, peer.options_cls)
     theirs = {f.name for f in fields(options_cls)}

@@ -7,10 +7,11 @@ import re
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from ..memory import kv_bytes
 from .metrics import Arm
 from .passkey import PasskeyCase, wilson
 from .replay import capture_prefill
-from .sessions import arm_caches, kv_bytes
+from .sessions import arm_caches
 
 DIGITS = re.compile(r"\d{5}")
 

@@ -64,7 +64,3 @@ def arm_caches(model, arm: Arm, head, captured=None, prefill_step_size=2048):
             caches = patch.make_cache()
             prefill_head(model, caches, head, prefill_step_size)
             yield caches, False
-
-
-def kv_bytes(caches) -> int:
-    return sum(int(getattr(c, "nbytes", 0) or 0) for c in caches)
