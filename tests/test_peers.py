@@ -8,20 +8,24 @@ from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
 from veloxpatch.errors import OptionError, PatchStateError
+from veloxpatch.eval.metrics import Arm
 from veloxpatch.eval.peers import (
     PEER_ALGOS,
+    generation_kwargs,
     held_rows,
     mlx_caches,
+    quantizer,
     veloxquant_available,
     veloxquant_caches,
 )
-from veloxpatch.eval.sessions import prefill_head
+from veloxpatch.eval.sessions import Prefills, arm_caches, prefill_head
 
 
-def last_logits(model, caches, ids):
+def last_logits(model, caches, ids, quantized=None):
     """Chunked prefill (the harness's), then the last token's logits."""
     ids = ids.tolist()
-    prefill_head(model, caches, ids[:-1], prefill_step_size=16)
+    after = quantizer("quantized", quantized) if quantized else None
+    prefill_head(model, caches, ids[:-1], prefill_step_size=16, after_chunk=after)
     return model(mx.array([ids[-1:]]), cache=caches)[0, -1]
 
 
@@ -43,18 +47,51 @@ def test_rotating_holds_at_most_budget():
         assert c.keys.shape[2] <= 16 and held_rows(c) == 16
 
 
-def test_quantized_close_to_unpatched():
+def test_quantized_is_mlx_lm_kv_bits_from_token_zero():
     # head_dim 32: mx.quantize needs group sizes of 32, 64 or 128.
     model = tiny_model("llama", head_dim=32)
     ids = prompt_tokens(50)
     ref = last_logits(model, mlx_caches(model, "unpatched", {}), ids)
     err = {}
     for bits in (8, 4):
-        caches = mlx_caches(model, "quantized", {"kv_bits": bits, "group_size": 32})
-        assert all(type(c) is QuantizedKVCache and c.bits == bits for c in caches)
-        err[bits] = mx.abs(last_logits(model, caches, ids) - ref).max().item()
+        options = {"kv_bits": bits, "group_size": 32}
+        arm = Arm("mlx.quantized", options)
+        with arm_caches(model, arm, ids[:-1].tolist(), None, 16) as (caches, _):
+            assert all(type(c) is QuantizedKVCache and c.bits == bits for c in caches)
+            ours = [lp for _, lp in generate_step(ids[-1:], model, prompt_cache=caches)]
+        # the oracle: mlx-lm's own kv_bits with quantized_kv_start=0
+        theirs = generate_step(
+            ids, model, prefill_step_size=16, **generation_kwargs("quantized", options)
+        )
+        theirs = [lp for _, lp in theirs]
+        assert len(ours) == len(theirs) == 256
+        for a, b in zip(ours[:8], theirs[:8]):
+            assert mx.array_equal(a, b)
+        caches = mlx_caches(model, "quantized", options)
+        err[bits] = mx.abs(last_logits(model, caches, ids, options) - ref).max().item()
     assert 0 < err[8] < 0.02 * mx.abs(ref).max().item()
-    assert err[4] > err[8]  # quantized from the first token on
+    assert err[4] > err[8]
+
+
+def test_shared_prefills_equal_direct_ones():
+    model = tiny_model("llama", head_dim=32)
+    head = prompt_tokens(40).tolist()
+    arms = [
+        Arm("unpatched"),
+        Arm("mlx.quantized", {"kv_bits": 4, "group_size": 32}),
+        Arm("mlx.rotating", {"budget": 16}),
+    ]
+    if veloxquant_available():
+        arms += [Arm(f"veloxquant.{a}", {"budget": 16, **x}) for a, x in VQ]
+    prefills = Prefills(model, head, arms)
+    for arm in arms:
+        with arm_caches(model, arm, head, prefills) as (shared, was_shared):
+            a = model(mx.array([[7]]), cache=shared)
+        with arm_caches(model, arm, head, None, 64) as (direct, _):
+            b = model(mx.array([[7]]), cache=direct)
+        assert was_shared == (arm.algo != "mlx.rotating"), arm.label
+        assert mx.array_equal(a, b), arm.label
+        assert [held_rows(c) for c in shared] == [held_rows(c) for c in direct]
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,9 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from ..memory import kv_bytes
+from . import peers
 from .metrics import Arm
-from .sessions import arm_caches
+from .sessions import arm_caches, mlx_kind
 from .text import prose_tokens
 
 BASELINE = Arm("unpatched")
@@ -25,6 +26,9 @@ BASELINE = Arm("unpatched")
 def measure(model, arm: Arm, ids, decode_tokens: int, step: int) -> dict:
     """One generation: prefill tok/s (to the first token), decode tok/s after it,
     KV bytes held at the end and the peak memory of the process meanwhile."""
+    kind = mlx_kind(arm)
+    # mlx.quantized: mlx-lm itself converts the caches (kv_bits, start 0)
+    extra = peers.generation_kwargs(kind, arm.options) if kind else {}
     with arm_caches(model, arm, [], None, step) as (caches, _):
         mx.eval([c.state for c in caches if getattr(c, "keys", None) is not None])
         mx.reset_peak_memory()
@@ -35,6 +39,7 @@ def measure(model, arm: Arm, ids, decode_tokens: int, step: int) -> dict:
             max_tokens=decode_tokens + 1,
             prompt_cache=caches,
             prefill_step_size=step,
+            **extra,
         )
         next(steps)
         t1 = time.perf_counter()

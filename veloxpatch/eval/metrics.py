@@ -12,8 +12,6 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-from .replay import capture_prefill
-
 
 @dataclass
 class Arm:
@@ -47,14 +45,14 @@ def teacher_forced(model, caches, logits, continuation) -> mx.array:
 
 
 def arm_logprobs(
-    model, arm: Arm, context, continuation, prefill_step_size=2048, captured=None
+    model, arm: Arm, context, continuation, prefill_step_size=2048, prefills=None
 ):
-    """(log-probabilities, KV bytes held at the end) of one arm. With `captured`
-    (a replay of context[:-1], see replay.py) our arms are not prefilled again."""
+    """(log-probabilities, KV bytes held at the end) of one arm. `prefills` (a
+    sessions.Prefills of context[:-1]) shares the prefill between arms."""
     from ..memory import kv_bytes
     from .sessions import arm_caches
 
-    with arm_caches(model, arm, context[:-1], captured, prefill_step_size) as (
+    with arm_caches(model, arm, context[:-1], prefills, prefill_step_size) as (
         caches,
         _,
     ):
@@ -88,7 +86,7 @@ class ContinuationResult:
     agreement: float
     kl: float
     kv_bytes: int
-    replayed_prefill: bool
+    shared_prefill: bool
 
     def as_dict(self):
         return asdict(self)
@@ -97,12 +95,12 @@ class ContinuationResult:
 def evaluate_continuation(model, arms, context, continuation, prefill_step_size=2048):
     """Perplexity, agreement and KL against `full` of every arm on one
     context/continuation. A context within one prefill chunk is prefilled once
-    and replayed into every arm (exact, see replay.py)."""
-    captured = None
-    if len(context) - 1 <= prefill_step_size:
-        captured = capture_prefill(model, context[:-1])
+    per kind of arm and shared (exact, see sessions.Prefills)."""
+    from .sessions import Prefills
+
+    prefills = Prefills(model, context[:-1], arms, prefill_step_size)
     reference, reference_kv = arm_logprobs(
-        model, Arm("full"), context, continuation, prefill_step_size, captured
+        model, Arm("full"), context, continuation, prefill_step_size, prefills
     )
     results = []
     for arm in arms:
@@ -110,7 +108,7 @@ def evaluate_continuation(model, arms, context, continuation, prefill_step_size=
             lp, kv = reference, reference_kv  # the reference is this arm
         else:
             lp, kv = arm_logprobs(
-                model, arm, context, continuation, prefill_step_size, captured
+                model, arm, context, continuation, prefill_step_size, prefills
             )
         agree, kl = agreement_and_kl(lp, reference)
         results.append(
@@ -125,7 +123,7 @@ def evaluate_continuation(model, arms, context, continuation, prefill_step_size=
                 agree,
                 kl,
                 kv,
-                captured is not None,
+                prefills.single,
             )
         )
     return results

@@ -118,8 +118,8 @@ def _mlx_factory(kind: str, options: dict):
         if sinks >= budget:
             raise OptionError(f"budget ({budget}) must exceed sinks ({sinks})")
         return partial(mlc.RotatingKVCache, max_size=budget, keep=sinks)
-    # Quantized from token 0; mlx-lm's kv_bits converts only once
-    # quantized_kv_start (default 5000) tokens are cached.
+    # As mlx-lm's kv_bits with quantized_kv_start=0 (default 5000: nothing
+    # below 5,000 tokens would be quantized).
     bits, group = options.get("kv_bits"), options.get("group_size", 64)
     if bits not in (2, 3, 4, 5, 6, 8):
         raise OptionError(f"kv_bits must be one of 2-6, 8, got {bits!r}")
@@ -130,14 +130,44 @@ def _mlx_factory(kind: str, options: dict):
 
 def mlx_caches(model, kind: str, options: dict) -> list:
     """mlx-lm's caches: "unpatched" (the model's own), "rotating" (budget,
-    sinks=4) or "quantized" (kv_bits, group_size=64) on every full-attention
-    layer; a sliding-window layer keeps the model's own RotatingKVCache."""
+    sinks=4) on every full-attention layer (a sliding-window layer keeps the
+    model's own RotatingKVCache), or "quantized", which starts as the model's
+    own and is converted by `quantizer` after each prefill chunk."""
     make = _mlx_factory(kind, options)
     _unpatched(model)
     caches = mlc.make_prompt_cache(model)
-    if make is None:
+    if make is None or kind == "quantized":
         return caches
     return [make() if type(c) is mlc.KVCache else c for c in caches]
+
+
+def quantizer(kind: str, options: dict):
+    """For "quantized": what mlx-lm's kv_bits does with quantized_kv_start=0,
+    run after every prefill chunk (the chunk itself attends unquantized, then
+    every full-attention KVCache becomes a QuantizedKVCache). None otherwise."""
+    if kind != "quantized":
+        return None
+    make = _mlx_factory(kind, options)
+    bits, group = make.keywords["bits"], make.keywords["group_size"]
+
+    def quantize(caches: list) -> None:
+        for i, c in enumerate(caches):
+            if type(c) is mlc.KVCache:  # mlx-lm has no quantized rotating cache
+                caches[i] = c.to_quantized(group_size=group, bits=bits)
+
+    return quantize
+
+
+def generation_kwargs(kind: str, options: dict) -> dict:
+    """generate_step arguments that make mlx-lm itself do what `quantizer` does."""
+    if kind != "quantized":
+        return {}
+    make = _mlx_factory(kind, options)
+    return {
+        "kv_bits": make.keywords["bits"],
+        "kv_group_size": make.keywords["group_size"],
+        "quantized_kv_start": 0,
+    }
 
 
 def check(name: str, options: dict) -> str | None:

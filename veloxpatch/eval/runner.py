@@ -10,8 +10,7 @@ from mlx_lm.generate import generate_step
 from ..memory import kv_bytes
 from .metrics import Arm
 from .passkey import PasskeyCase, wilson
-from .replay import capture_prefill
-from .sessions import arm_caches
+from .sessions import Prefills, arm_caches
 
 DIGITS = re.compile(r"\d{5}")
 
@@ -42,8 +41,8 @@ def run_case(
     max_tokens=12,
     decode_lead_in=False,
 ) -> list[dict]:
-    """Every arm on one case. When the prompt fits one prefill chunk, prefill it
-    once and replay it into each arm's caches; otherwise run each arm directly.
+    """Every arm on one case. When the prompt fits one prefill chunk, arms share
+    prefills (sessions.Prefills); otherwise each arm prefills directly.
 
     With `decode_lead_in` the answer's lead-in ("The secret number is") is not
     part of the prompt: the prompt ends with the question and the lead-in is fed
@@ -55,13 +54,12 @@ def run_case(
     split = len(case.prompt) - lead  # the question ends here
     head = case.prompt[: split - 1]
     forced = case.prompt[split - 1 : -1] if lead else []  # fed one token a call
-    replay = len(head) <= prefill_step_size
-    captured = capture_prefill(model, head) if replay else None
+    prefills = Prefills(model, head, arms, prefill_step_size)
     rows = []
     for arm in arms:
-        with arm_caches(model, arm, head, captured, prefill_step_size) as (
+        with arm_caches(model, arm, head, prefills, prefill_step_size) as (
             caches,
-            replayed,
+            shared,
         ):
             for tok in forced:
                 model(mx.array([[tok]]), cache=caches)
@@ -81,7 +79,7 @@ def run_case(
                 "correct": case.correct(text),
                 "kv_bytes": kv,
                 "prefill_step_size": prefill_step_size,
-                "replayed_prefill": replayed,
+                "shared_prefill": shared,
                 "lead_in": "decoded" if lead else "prompt",
             }
         )
