@@ -137,7 +137,7 @@ def apply(model, algo: str = "full", **options) -> Patch:
 
     adapter = adapter_for(model)
     cache_cls = algorithm(algo)
-    opts = cache_cls.Options.create(cache_cls.name, options)
+    opts = cache_cls.Options.create(cache_cls.name, options).bind(model)
     if patch_of(model) is not None:
         raise PatchStateError(
             "model is already patched; call restore() (or veloxpatch.unpatch) first"

@@ -141,4 +141,4 @@ if __name__ == "__main__":
     main()
 
 
-from . import cli_eval  # noqa: E402, F401  (registers `eval` and `bench`)
+from . import cli_calibrate, cli_eval  # noqa: E402, F401  (register commands)

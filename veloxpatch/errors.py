@@ -19,3 +19,7 @@ class PatchStateError(VeloxpatchError):
 
 class UnsupportedCacheOperation(VeloxpatchError):
     """An mlx-lm feature that would silently bypass a veloxpatch cache."""
+
+
+class CalibrationError(VeloxpatchError):
+    """A calibration file that does not fit the model, or cannot be read."""

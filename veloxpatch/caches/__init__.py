@@ -7,6 +7,7 @@ from .h2o import H2OCache
 from .keyformer import KeyformerCache
 from .knorm import KNormCache
 from .pyramidkv import PyramidKVCache
+from .qfilters import QFiltersCache
 from .snapkv import SnapKVCache
 from .streaming_llm import StreamingLLMCache
 from .tova import TOVACache
@@ -23,6 +24,7 @@ ALGORITHMS: dict[str, type[VeloxCache]] = {
         H2OCache,
         TOVACache,
         KeyformerCache,
+        QFiltersCache,
     )
 }
 

@@ -50,6 +50,11 @@ class CacheOptions:
                 raise
             raise OptionError(f"{algo}: {e}") from None
 
+    def bind(self, model) -> CacheOptions:
+        """Checks and loads what depends on the model (calibration files),
+        before anything is patched."""
+        return self
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -55,6 +55,9 @@ PEER_ALGOS: dict[str, Peer] = {
     # Their window excludes the sinks, our budget includes them.
     "streaming_llm": _peer("StreamingLLMOptions", "stream_", budget="window_size"),
     "knorm": _peer("L2NormOptions", "knorm_", "recent"),
+    # Their filter comes from the first 128 KEYS (no queries); our `window` is
+    # their `recent` (default 0, ours 64: name it to compare like with like).
+    "qfilters": _peer("QFiltersOptions", "qfilters_", window="recent"),
 }
 # Same name, another algorithm.
 _NO_PEER = {"adakv": "theirs allocates quantization bits per head, evicts nothing"}

@@ -45,11 +45,12 @@ class Captured:
     # (algo, options but budget) -> per layer (cache before after_attend, its q)
     attended: dict = field(default_factory=dict)
 
-    def caches(self, algo: str, options: dict | None = None, chunks=None):
+    def caches(self, algo: str, options: dict | None = None, chunks=None, bound=None):
         """Fresh caches of `algo` in the state a direct run over `tokens` leaves
         (exact when the captured run processed them in one call)."""
         cls = ALGORITHMS[algo]
-        opts = cls.Options.create(algo, dict(options or {}))
+        # `bound`: the patch's options for `options` (loaded calibration files)
+        opts = bound or cls.Options.create(algo, dict(options or {}))
         n = len(self.calls)
         if chunks or any(len(calls) != 1 for calls in self.calls):
             caches = [cls(opts, layer, n) for layer in range(n)]

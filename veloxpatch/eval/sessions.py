@@ -173,7 +173,7 @@ def arm_caches(model, arm: Arm, head, prefills=None, prefill_step_size=2048):
     captured = prefills.captured() if prefills is not None else None
     with api.patched(model, algo=arm.algo, **arm.options) as patch:
         if captured is not None:
-            yield captured.caches(arm.algo, arm.options), True
+            yield captured.caches(arm.algo, arm.options, bound=patch.options), True
         else:
             caches = patch.make_cache()
             prefill_head(model, caches, head, prefill_step_size)

@@ -1,0 +1,156 @@
+"""Q-Filters: calibration through the seam, the filters file, the `qfilters` cache."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from oracle import check_oracle
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.calibration import (
+    capture_queries,
+    fingerprint,
+    group_mean,
+    load_filters,
+    query_filters,
+    save_filters,
+)
+from veloxpatch.errors import CalibrationError, OptionError
+
+ARCHS = ["llama", "qwen3", "ministral3"]
+CHUNKS = [7, 5, 9, 6]  # prefill, then single-token decode
+
+
+def calibrated(arch, path, n=96):
+    model = tiny_model(arch)
+    queries = capture_queries(model, prompt_tokens(n, seed=5).tolist(), chunk=32)
+    per_head = [query_filters(q) for q in queries]
+    save_filters(path, per_head, model)
+    return model, queries, per_head
+
+
+def test_capture_matches_the_patched_forward(tmp_path):
+    # The captured queries are the post-RoPE queries the caches score with:
+    # rebuild them from the adapter's projection and the layer's rope.
+    model = tiny_model("qwen3")
+    ids = prompt_tokens(40, seed=2).tolist()
+    got = capture_queries(model, ids, chunk=40, max_vectors=40)
+    attn = model.layers[0].self_attn
+    x = model.model.embed_tokens(mx.array(ids)[None])
+    x = model.model.layers[0].input_layernorm(x)
+    from model_adapters.base import project_qk_norm
+
+    q, _, _ = project_qk_norm(attn, x)
+    want = attn.rope(q, offset=0)[0]
+    assert mx.allclose(got[0], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_orientation_most_queries_project_positively(tmp_path, arch):
+    _, queries, per_head = calibrated(arch, tmp_path / "f.safetensors")
+    for q, f in zip(queries, per_head):
+        assert mx.allclose(mx.linalg.norm(f, axis=-1), mx.ones(f.shape[0]), atol=1e-4)
+        share = ((q * f[:, None, :]).sum(-1) > 0).mean(-1)  # per query head
+        assert (share >= 0.5).all().item()
+
+
+def test_round_trip_in_a_fresh_process(tmp_path):
+    path = tmp_path / "f.safetensors"
+    model, _, per_head = calibrated("llama", path)
+    loaded = load_filters(path, model)
+    kv = model.layers[0].self_attn.n_kv_heads
+    for f, g in zip(per_head, loaded):
+        assert mx.array_equal(group_mean(f, kv), g)
+    script = f"""
+import sys, json; sys.path.insert(0, "tests")
+from veloxpatch import blas; blas.preload()
+import mlx.core as mx
+from tiny import tiny_model, prompt_tokens
+import veloxpatch
+model = tiny_model("llama")
+f = {str(path)!r}
+with veloxpatch.patched(model, "qfilters", budget=12, window=2, filters=f) as p:
+    c = p.make_cache()
+    model(prompt_tokens(30)[None], cache=c)
+    out = [[c[i].filter.tolist(), c[i].scores(None).tolist()] for i in range(3)]
+    print(json.dumps(out))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    with veloxpatch.patched(
+        model, "qfilters", budget=12, window=2, filters=str(path)
+    ) as p:
+        c = p.make_cache()
+        model(prompt_tokens(30)[None], cache=c)
+        here = [[c[i].filter.tolist(), c[i].scores(None).tolist()] for i in range(3)]
+    for (f1, s1), (f2, s2) in zip(json.loads(out.stdout), here):
+        assert f1 == f2  # the very same filters
+        assert np.allclose(s1, s2, atol=1e-5)  # BLAS summation order aside
+
+
+def test_wrong_model_or_damaged_file_rejected_before_patching(tmp_path):
+    path = tmp_path / "f.safetensors"
+    calibrated("llama", path)
+    other = tiny_model("qwen3")
+    with pytest.raises(CalibrationError, match="another model"):
+        veloxpatch.apply(other, "qfilters", budget=12, window=2, filters=str(path))
+    assert veloxpatch.api.patch_of(other) is None and "make_cache" not in vars(other)
+    # Same shapes, other weights: only the weight hash tells them apart.
+    reseeded = tiny_model("llama", seed=1)
+    assert fingerprint(reseeded)["layers"] == fingerprint(tiny_model("llama"))["layers"]
+    with pytest.raises(CalibrationError, match="weights_sha256"):
+        veloxpatch.apply(reseeded, "qfilters", budget=12, window=2, filters=str(path))
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(path.read_bytes()[:200])
+    for bad in (damaged, tmp_path / "missing.safetensors"):
+        with pytest.raises(CalibrationError):
+            veloxpatch.apply(
+                tiny_model("llama"), "qfilters", budget=12, window=2, filters=str(bad)
+            )
+    with pytest.raises(OptionError):
+        veloxpatch.apply(tiny_model("llama"), "qfilters", budget=60, window=64)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["file", "prompt"])
+def test_oracle(tmp_path, arch, mode):
+    n = 56
+    path = tmp_path / "f.safetensors"
+    model, _, _ = calibrated(arch, path)
+    opts = dict(budget=12, sinks=2, window=3)
+    if mode == "file":
+        opts["filters"] = str(path)
+    tokens = prompt_tokens(n).tolist()
+    err, masks, caches, _ = check_oracle(model, tokens, CHUNKS, "qfilters", **opts)
+    assert err < 1e-5
+    causal = np.tril(np.ones((n, n), bool))
+    # queries of the last prefill chunk (21..26), after 21 rows met budget 12
+    hidden = [int((causal & ~m)[:, 21:27].sum()) for m in masks]
+    if mode == "file":  # evicts during prefill already
+        assert all(h > 0 for h in hidden)
+    else:  # waits for the prompt end, then evicts
+        assert all(h == 0 for h in hidden)
+        assert all(int((causal & ~m).sum()) > 0 for m in masks)
+    assert all(c.rows <= 12 for c in caches)
+
+
+def test_prompt_filters_are_the_prompt_queries_principal_direction():
+    model = tiny_model("llama")
+    ids = prompt_tokens(40, seed=3).tolist()
+    queries = capture_queries(model, ids, chunk=40, max_vectors=40)
+    with veloxpatch.patched(model, "qfilters", budget=16, window=2) as p:
+        caches = p.make_cache()
+        model(mx.array(ids)[None], cache=caches)
+        p.end_prompt(caches)
+    for q, c in zip(queries, caches):
+        want = group_mean(query_filters(q), c.keys.shape[1])
+        # same direction up to the orientation rule (mean vs majority)
+        cos = (want * c.filter).sum(-1) / mx.linalg.norm(want, axis=-1)
+        cos = cos / mx.linalg.norm(c.filter, axis=-1)
+        assert (mx.abs(cos) > 0.999).all().item()
+        assert c.rows == 16

@@ -1,0 +1,114 @@
+"""`qfilters` (Godey et al., 2025): keep the keys that project most on the
+head's Q-Filter, the principal direction of its real post-RoPE queries.
+
+With `filters=FILE` (from `veloxpatch calibrate --algo qfilters`) the filters
+are fixed and eviction runs whenever the cache is over budget, prefill and
+decode. Without a file the filters come from the prompt's own queries: the
+second moment of every query is accumulated while the prompt runs, and at its
+end each head's filter is its top eigenvector, signed so that the mean query
+projects positively (the majority rule needs the vectors, the moment does
+not). Eviction therefore waits for the end of the prompt in that mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+
+from ..errors import OptionError
+from .eviction import EvictingCache, EvictionOptions, _check_int
+
+
+@dataclasses.dataclass
+class QFiltersOptions(EvictionOptions):
+    """`window`: newest rows protected (default 64). `filters`: a calibration
+    file; None calibrates on the prompt's own queries."""
+
+    window: int = 64
+    filters: str | None = None
+
+    def protected(self):
+        return self.sinks + self.window
+
+    def __post_init__(self):
+        _check_int("window", self.window, 0)
+        if self.filters is not None and not isinstance(self.filters, str):
+            raise OptionError(f"filters must be a file path, got {self.filters!r}")
+        super().__post_init__()
+        self.loaded = None  # per layer [Hkv, D], once bound to a model
+
+    def bind(self, model):
+        """Load and check the filters file against `model` (before patching)."""
+        if self.filters is not None:
+            from ..calibration import load_filters
+
+            self.loaded = load_filters(self.filters, model)
+        return self
+
+
+class QFiltersCache(EvictingCache):
+    name = "qfilters"
+    summary = "top key projection on the head's Q-Filter (real queries), + window"
+    note = (
+        "filters=FILE (veloxpatch calibrate) evicts during prefill too; without "
+        "one the filters come from the prompt's own queries, so eviction waits "
+        "for the end of the prompt and peak memory holds the whole prompt."
+    )
+    Options = QFiltersOptions
+
+    def __init__(self, options=None, layer=0, num_layers=1):
+        super().__init__(options, layer, num_layers)
+        self.moment = None  # on the fly: sum of q q^T per query head [Hq, D, D]
+        self.total = None  # and sum of q [Hq, D]
+        self.filter = None  # [Hkv, D]
+        if self.options.loaded is not None:
+            self.filter = self.options.loaded[layer]
+
+    @property
+    def recent(self):
+        return self.options.window
+
+    def after_attend(self, q, new_rows):
+        if self.options.filters is None:
+            q = q[0].astype(mx.float32)  # [Hq, L, D]
+            m, s = q.swapaxes(1, 2) @ q, q.sum(axis=1)
+            self.moment = m if self.moment is None else self.moment + m
+            self.total = s if self.total is None else self.total + s
+        elif self.filter is None:  # options made without veloxpatch.apply
+            raise OptionError("qfilters: the filters file was not loaded for a model")
+        if self.filter is not None and self.rows > self.row_budget():
+            self.evict_to(self.row_budget(), self.scores(q))
+
+    def end_prompt(self):
+        if self.options.filters is None and self.moment is not None:
+            self.filter = self._prompt_filter()
+            if self.rows > self.row_budget():
+                self.evict_to(self.row_budget(), self.scores(None))
+
+    def _prompt_filter(self) -> mx.array:
+        with mx.stream(mx.cpu):  # eigh runs on the CPU only
+            _, vecs = mx.linalg.eigh(self.moment)
+            v1 = vecs[..., -1]  # [Hq, D], the largest eigenvalue's
+            sign = mx.where((v1 * self.total).sum(-1) >= 0, 1.0, -1.0)
+            v1 = v1 * sign[:, None]
+            hkv = self.keys.shape[1]
+            out = v1.reshape(hkv, -1, v1.shape[-1]).mean(axis=1)
+            mx.eval(out)
+        return out
+
+    def scores(self, q):
+        keys, _ = self._view()
+        return (keys.astype(mx.float32) * self.filter[None, :, None, :]).sum(-1)
+
+    def extra_state(self):
+        names = ("filter", "moment", "total")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def load_extra_state(self, st):
+        for n in ("filter", "moment", "total"):
+            setattr(self, n, st.get(n))
+
+    def side_arrays(self):
+        side = super().side_arrays()
+        return side + [self.moment, self.total] if self.moment is not None else side

@@ -1,0 +1,57 @@
+"""`veloxpatch calibrate`: per-model statistics from real queries (Q-Filters)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .cli import _user_errors, main
+
+
+@main.command()
+@click.option("--model", default=None, help="default: the embedded SmolLM2")
+@click.option("--algo", default="qfilters", show_default=True)
+@click.option("--out", required=True, help="filters file (safetensors)")
+@click.option("--tokens", type=int, default=4096, show_default=True)
+@click.option(
+    "--text",
+    default="calibration",
+    show_default=True,
+    help="prose: the built-in calibration half, or a file",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@_user_errors
+def calibrate(model, algo, out, tokens, text, seed):
+    """Calibrate ALGO on the model's own post-RoPE queries and save it to OUT."""
+    from . import calibration, models
+
+    if algo != "qfilters":
+        raise calibration.CalibrationError(
+            f"calibration exists for qfilters only, not {algo!r}"
+        )
+    if tokens < 1:
+        raise click.UsageError("--tokens must be positive")
+    loaded, tokenizer = models.load(model)
+    with click.progressbar(
+        length=tokens, label="calibration tokens", file=sys.stderr
+    ) as bar:
+        per_head, queries = calibration.calibrate(
+            loaded,
+            tokenizer,
+            algo,
+            tokens=tokens,
+            text=text,
+            out=out,
+            seed=seed,
+            tick=bar.update,
+        )
+    positive = [
+        float(((q * f[:, None, :]).sum(-1) > 0).mean().item())
+        for q, f in zip(queries, per_head)
+    ]
+    click.echo(
+        f"wrote {out}: {len(per_head)} layers, {queries[0].shape[1]} queries per "
+        f"head; share of queries projecting positively: min {min(positive):.2f}, "
+        f"mean {sum(positive) / len(positive):.2f}"
+    )
