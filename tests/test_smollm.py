@@ -61,3 +61,34 @@ def test_demo_answers_paris():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout, out.stdout
+
+
+@smollm
+def test_qfilters_file_fits_the_model_quantized_or_not(loaded, tmp_path):
+    # The fingerprint hashes fp16 weight samples: the GGUF-quantized model and
+    # its float32 dequantization are the same model for a filters file.
+    from veloxpatch.calibration import fingerprint, load_filters, save_filters
+
+    model, _ = loaded
+    quantized, _ = veloxpatch.load(quantized=True)
+    assert "scales" in quantized.layers[0].self_attn.q_proj
+    assert fingerprint(quantized) == fingerprint(model)
+    filters = [mx.ones((9, 64)) for _ in model.layers]
+    save_filters(tmp_path / "f.safetensors", filters, quantized)
+    assert len(load_filters(tmp_path / "f.safetensors", model)) == 30
+
+
+@smollm
+def test_qfilters_calibration_orientation_on_smollm(loaded):
+    # Every layer and query head: most calibration queries project positively
+    # on its filter, and the filters differ between heads (not one bias vector).
+    from veloxpatch.calibration import calibrate
+
+    model, tokenizer = loaded
+    per_head, queries = calibrate(model, tokenizer, tokens=256)
+    assert len(per_head) == 30 and queries[0].shape == (9, 256, 64)
+    for q, f in zip(queries, per_head):
+        share = ((q * f[:, None, :]).sum(-1) > 0).mean(-1)
+        assert (share > 0.5).all().item()
+    cos = per_head[0] @ per_head[0].T
+    assert (mx.abs(cos) < 0.999).sum().item() > 0

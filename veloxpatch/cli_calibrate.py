@@ -24,6 +24,8 @@ from .cli import _user_errors, main
 @_user_errors
 def calibrate(model, algo, out, tokens, text, seed):
     """Calibrate ALGO on the model's own post-RoPE queries and save it to OUT."""
+    import mlx.core as mx
+
     from . import calibration, models
 
     if algo != "qfilters":
@@ -46,12 +48,12 @@ def calibrate(model, algo, out, tokens, text, seed):
             seed=seed,
             tick=bar.update,
         )
-    positive = [
-        float(((q * f[:, None, :]).sum(-1) > 0).mean().item())
-        for q, f in zip(queries, per_head)
-    ]
+    # per layer and query head: the share of its queries projecting positively
+    positive = mx.concatenate(
+        [((q * f[:, None, :]).sum(-1) > 0).mean(-1) for q, f in zip(queries, per_head)]
+    )
     click.echo(
         f"wrote {out}: {len(per_head)} layers, {queries[0].shape[1]} queries per "
-        f"head; share of queries projecting positively: min {min(positive):.2f}, "
-        f"mean {sum(positive) / len(positive):.2f}"
+        f"head; share of a head's queries projecting positively on its filter: "
+        f"min {positive.min().item():.3f}, mean {positive.mean().item():.3f}"
     )
