@@ -120,6 +120,12 @@ def _is_sliding(model, index: int, layer) -> bool:
     return bool(types) and index < len(types) and types[index] == "sliding_attention"
 
 
+def head_dim(attn) -> int:
+    """Per-head width of an mlx-lm attention module."""
+    d = getattr(attn, "head_dim", None)
+    return int(d) if d else int(attn.q_proj.weight.shape[0] // attn.n_heads)
+
+
 def model_type(model) -> str:
     mt = getattr(model, "model_type", None)
     if mt is None:

@@ -18,7 +18,12 @@ from veloxpatch.eval.peers import (
     veloxquant_available,
     veloxquant_caches,
 )
-from veloxpatch.eval.sessions import Prefills, arm_caches, prefill_head
+from veloxpatch.eval.sessions import (
+    Prefills,
+    arm_caches,
+    prefill_head,
+    takes_budget,
+)
 
 
 def last_logits(model, caches, ids, quantized=None):
@@ -118,7 +123,8 @@ def test_no_peer_for_adakv_or_full_and_patched_models_refused():
     with veloxpatch.patched(model, "full"):
         with pytest.raises(PatchStateError):
             mlx_caches(model, "unpatched", {})
-    assert set(PEER_ALGOS) == set(veloxpatch.algos()) - {"adakv", "full"}
+    budgeted = {a for a in veloxpatch.algos() if takes_budget(a)}
+    assert set(PEER_ALGOS) == budgeted - {"adakv"}
 
 
 # --- veloxquant-mlx (optional) ---------------------------------------------------

@@ -9,6 +9,7 @@ from tiny import prompt_tokens, tiny_model
 import veloxpatch
 from veloxpatch.caches import ALGORITHMS
 from veloxpatch.eval.replay import capture_prefill
+from veloxpatch.eval.sessions import takes_budget
 
 ARMS = [
     ("full", {}),
@@ -56,7 +57,10 @@ def test_replay_equals_direct_run(arch):
         assert_replay_is_direct(model, captured, prompt, tail, algo, opts)
 
 
-@pytest.mark.parametrize("algo", sorted(set(ALGORITHMS) - {"full"}))
+BUDGETED = sorted(a for a in ALGORITHMS if takes_budget(a))
+
+
+@pytest.mark.parametrize("algo", BUDGETED)
 def test_budgets_share_one_attended_prefill(algo):
     # Every registered algorithm: arms differing only in budget are derived from
     # one attended state, in any order, and each equals its own direct run.

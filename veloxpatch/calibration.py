@@ -44,7 +44,7 @@ def _weight_sample(linear) -> np.ndarray:
 def fingerprint(model) -> dict:
     """What identifies a model for its calibration: shape, RoPE and a hash of a
     fixed sample of attention weights in fp16 (quantized or not, any OS)."""
-    from model_adapters.base import model_type
+    from model_adapters.base import head_dim, model_type
 
     attn = [layer.self_attn for layer in model.layers]
     args = getattr(model, "args", None)
@@ -62,8 +62,7 @@ def fingerprint(model) -> dict:
         "layers": len(attn),
         "heads": int(q.n_heads),
         "kv_heads": int(q.n_kv_heads),
-        "head_dim": int(q.head_dim if hasattr(q, "head_dim") else 0)
-        or int(q.q_proj.weight.shape[0] // q.n_heads),
+        "head_dim": head_dim(q),
         "rope": json.loads(json.dumps(rope, default=str)),
         "weights_sha256": digest.hexdigest(),
     }

@@ -5,6 +5,7 @@ from .base import CacheOptions, VeloxCache
 from .full import FullCache
 from .h2o import H2OCache
 from .keyformer import KeyformerCache
+from .kivi import KIVICache
 from .knorm import KNormCache
 from .pyramidkv import PyramidKVCache
 from .qfilters import QFiltersCache
@@ -25,6 +26,7 @@ ALGORITHMS: dict[str, type[VeloxCache]] = {
         TOVACache,
         KeyformerCache,
         QFiltersCache,
+        KIVICache,
     )
 }
 

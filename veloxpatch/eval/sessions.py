@@ -28,7 +28,10 @@ def takes_budget(algo: str) -> bool:
     """Whether `--budgets` expands this arm."""
     if is_peer(algo):
         return algo == "mlx.rotating" or algo.startswith("veloxquant.")
-    return algo != "full"
+    from ..caches import ALGORITHMS
+
+    cls = ALGORITHMS.get(algo)
+    return cls is not None and "budget" in cls.Options.__dataclass_fields__
 
 
 def mlx_kind(arm: Arm) -> str | None:

@@ -1,0 +1,112 @@
+"""KIVI: per-channel keys, per-token values, a full-precision residual."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.caches.kivi import KIVICache, KIVIOptions, dequantize, quantize
+from veloxpatch.errors import OptionError
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_round_trip_error_bound(bits):
+    # Asymmetric min/max: every value is within half a step of its group's grid,
+    # the step being (max - min) / (2^bits - 1) (plus fp16 rounding of the
+    # stored scale and zero point).
+    mx.random.seed(bits)
+    x = mx.random.normal((2, 3, 8, 128)) * mx.linspace(0.1, 4, 128)
+    q = quantize(x, 32, bits)
+    y = dequantize(q, 32, bits, mx.float32)
+    g = np.array(x).reshape(2, 3, 8, 4, 32)
+    step = (g.max(-1) - g.min(-1)) / (2**bits - 1)
+    err = np.abs(np.array(y) - np.array(x)).reshape(g.shape).max(-1)
+    slack = 2e-3 * np.abs(g).max(-1)  # fp16 scale / zero point
+    assert (err <= 0.5 * step * (1 + 1e-3) + slack).all()
+    if bits < 8:
+        assert (err > 0.1 * step).any()  # really quantized
+    codes = q[0]
+    assert codes.dtype == mx.uint32 and codes.shape[-1] == 128 * bits // 32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_residual_covering_the_context_equals_full(arch):
+    model = tiny_model(arch, head_dim=32)
+    ids = prompt_tokens(40)
+    outs = {}
+    for algo, opts in [("full", {}), ("kivi", dict(bits=2, group=32, residual=64))]:
+        with veloxpatch.patched(model, algo, **opts) as p:
+            caches = p.make_cache()
+            logits = [model(ids[None, :30], cache=caches)]
+            for t in ids[30:].tolist():
+                logits.append(model(mx.array([[t]]), cache=caches))
+            outs[algo] = mx.concatenate(logits, axis=1)
+    assert mx.array_equal(outs["full"], outs["kivi"])
+
+
+def test_quantized_attention_stays_close_and_flushes_whole_groups():
+    model = tiny_model("llama", head_dim=32)
+    ids = prompt_tokens(100)
+    ref = model(ids[None])
+    err = {}
+    for bits in (8, 4, 2):
+        with veloxpatch.patched(model, "kivi", bits=bits, residual=8) as p:
+            caches = p.make_cache()
+            got = [model(ids[None, :50], cache=caches)]
+            for t in ids[50:].tolist():
+                got.append(model(mx.array([[t]]), cache=caches))
+        got = mx.concatenate(got, axis=1)
+        lp = got - mx.logsumexp(got, -1, keepdims=True)
+        lr = ref - mx.logsumexp(ref, -1, keepdims=True)
+        err[bits] = mx.abs(lp - lr).max().item()
+        for c in caches:
+            assert c.quantized % 32 == 0 and c.quantized + c.keys.shape[2] == 100
+            assert 8 <= c.keys.shape[2] < 8 + 32
+    assert err[8] < 0.05 and err[8] < err[4] < err[2]
+
+
+def test_nbytes_is_the_analytic_count_at_4000_tokens():
+    B, H, T, D = 1, 3, 4000, 64
+    mx.random.seed(0)
+    k = mx.random.normal((B, H, T, D)).astype(mx.float16)
+    v = mx.random.normal((B, H, T, D)).astype(mx.float16)
+    fp16_full = 2 * B * H * T * D * 2
+    for bits, ratio in ((2, 0.22), (4, 0.34)):
+        c = KIVICache(KIVIOptions(bits=bits, group=32, residual=128))
+        c._append(k, v, 0)
+        c.after_attend(None, T)
+        tq = (T - 128) // 32 * 32
+        tr = T - tq
+        codes = 2 * B * H * tq * D * bits // 8
+        key_groups = B * H * D * (tq // 32)
+        value_groups = B * H * tq * (D // 32)
+        scales_zeros = 2 * 2 * (key_groups + value_groups)  # fp16 each
+        residual = 2 * B * H * tr * D * 2
+        assert c.nbytes == codes + scales_zeros + residual
+        assert c.nbytes <= ratio * fp16_full, (bits, c.nbytes / fp16_full)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = tiny_model("llama", head_dim=32)
+    ids = prompt_tokens(80)
+    with veloxpatch.patched(model, "kivi", bits=4, residual=16) as p:
+        caches = p.make_cache()
+        model(ids[None, :79], cache=caches)
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+        a = model(ids[None, 79:], cache=caches)
+        b = model(ids[None, 79:], cache=loaded)
+    assert mx.array_equal(a, b)
+    assert loaded[0].quantized == caches[0].quantized == 64  # 32 + a flush
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(bits=5), dict(bits="2"), dict(group=16), dict(residual=-1), dict(group=64)],
+)
+def test_option_errors(opts):
+    model = tiny_model("llama", head_dim=32)  # head dim 32: group 64 cannot divide
+    with pytest.raises(OptionError):
+        veloxpatch.apply(model, "kivi", **opts)
+    assert veloxpatch.api.patch_of(model) is None
