@@ -53,6 +53,8 @@ def test_eval_writes_tables_raw_rows_and_reports_skipped(tmp_path, monkeypatch):
     assert [s["arm"] for s in data["skipped"]] == ["veloxquant.tova:budget=64"]
     assert "skipped veloxquant.tova" in res.output
     assert data["run"]["mlx_lm"] and "passkey" in res.output
+    # not a terminal: one progress line per case
+    assert "passkey cases: 1/2" in res.output and "passkey cases: 2/2" in res.output
 
 
 def test_eval_rejects_bad_arms_before_running(tmp_path):

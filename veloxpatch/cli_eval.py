@@ -41,9 +41,34 @@ def _check_arms(arms):
     return runnable, skipped
 
 
+class _Lines:
+    """Progress as one line per step, for logs (click's bar draws nothing
+    until the end when stderr is not a terminal)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done = total, label, 0
+
+    def __enter__(self):
+        import time
+
+        self.t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int) -> None:
+        import time
+
+        self.done += n
+        took = time.monotonic() - self.t0
+        click.echo(f"{self.label}: {self.done}/{self.total} ({took:.0f} s)", err=True)
+
+
 def _progress(total: int, label: str):
-    bar = click.progressbar(length=total, label=label, file=sys.stderr)
-    return bar
+    if sys.stderr.isatty():
+        return click.progressbar(length=total, label=label, file=sys.stderr)
+    return _Lines(total, label)
 
 
 common = [
