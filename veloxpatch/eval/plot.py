@@ -6,9 +6,16 @@ from ..errors import VeloxpatchError
 
 PANELS = (
     ("passkey", "accuracy", "passkey accuracy"),
-    ("continuation", "perplexity", "perplexity"),
+    ("continuation", "kl", "KL(full || arm), lower is better"),
     ("continuation", "agreement", "greedy agreement with full"),
 )
+
+
+def _algorithm(family: str) -> str:
+    """The algorithm a family stands for: `veloxquant.tova` and `tova:window=8`
+    are both tova, drawn in one colour (peers dashed)."""
+    name = family.split(":")[0]
+    return name.split(".", 1)[1] if name.startswith("veloxquant.") else name
 
 
 def require():
@@ -30,6 +37,7 @@ def plot(results: dict, path: str) -> None:
     panels = [p for p in PANELS if p[0] in results]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
     axes = [axes] if len(panels) == 1 else list(axes)
+    colours = {}
     for ax, (task, key, title) in zip(axes, panels):
         table = results[task]["table"]
         families = {}
@@ -41,12 +49,19 @@ def plot(results: dict, path: str) -> None:
             )
             if with_budget:
                 peer = "." in family.split(":")[0] or family == "unpatched"
+                cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+                algo = _algorithm(family)
+                colour = colours.setdefault(algo, cycle[len(colours) % len(cycle)])
                 ax.plot(
                     [r["budget"] for r in with_budget],
                     [r[key] for r in with_budget],
                     "--o" if peer else "-o",
-                    label=family,
+                    color=colour,
+                    mfc="white" if ":" in family and not peer else colour,
+                    label=family if len(family) < 40 else family[:37] + "...",
                 )
+            elif key == "kl" and rows[0][key] <= 0:
+                continue  # full's KL is 0: no place on a log axis
             else:  # no budget (full, unpatched, mlx.quantized): a reference line
                 ax.axhline(rows[0][key], linestyle=":", color="gray")
                 ax.annotate(
@@ -59,9 +74,10 @@ def plot(results: dict, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (KV rows per head)")
         ax.set_title(title)
-        if key == "perplexity":
+        if key == "kl":
             ax.set_yscale("log")
-    axes[-1].legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # outside the panels: a dozen families would hide the lines
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
