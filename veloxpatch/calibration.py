@@ -186,6 +186,11 @@ def load_filters(path, model) -> list[mx.array]:
     return filters
 
 
+def check_algo(algo: str) -> None:
+    if algo != "qfilters":
+        raise CalibrationError(f"calibration exists for qfilters only, not {algo!r}")
+
+
 # ---- the whole job -----------------------------------------------------------------
 def calibrate(
     model,
@@ -203,8 +208,7 @@ def calibrate(
     Written to `out` with the model's fingerprint when given."""
     from .eval.text import prose_tokens
 
-    if algo != "qfilters":
-        raise CalibrationError(f"calibration exists for qfilters only, not {algo!r}")
+    check_algo(algo)
     ids = prose_tokens(tokenizer, tokens, text)
     queries = capture_queries(model, ids, seed=seed, tick=tick)
     per_head = [query_filters(q) for q in queries]

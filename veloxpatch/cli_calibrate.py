@@ -28,10 +28,7 @@ def calibrate(model, algo, out, tokens, text, seed):
 
     from . import calibration, models
 
-    if algo != "qfilters":
-        raise calibration.CalibrationError(
-            f"calibration exists for qfilters only, not {algo!r}"
-        )
+    calibration.check_algo(algo)  # before the slow load
     if tokens < 1:
         raise click.UsageError("--tokens must be positive")
     loaded, tokenizer = models.load(model)

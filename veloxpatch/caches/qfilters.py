@@ -87,13 +87,14 @@ class QFiltersCache(EvictingCache):
                 self.evict_to(self.row_budget(), self.scores(None))
 
     def _prompt_filter(self) -> mx.array:
+        from ..calibration import group_mean
+
         with mx.stream(mx.cpu):  # eigh runs on the CPU only
             _, vecs = mx.linalg.eigh(self.moment)
             v1 = vecs[..., -1]  # [Hq, D], the largest eigenvalue's
             sign = mx.where((v1 * self.total).sum(-1) >= 0, 1.0, -1.0)
             v1 = v1 * sign[:, None]
-            hkv = self.keys.shape[1]
-            out = v1.reshape(hkv, -1, v1.shape[-1]).mean(axis=1)
+            out = group_mean(v1, self.keys.shape[1])
             mx.eval(out)
         return out
 
