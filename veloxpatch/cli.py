@@ -137,8 +137,7 @@ def list_(verbose):
         click.echo(f"BLAS: {blas.active()}")
 
 
-if __name__ == "__main__":
-    main()
-
-
 from . import cli_calibrate, cli_eval  # noqa: E402, F401  (register commands)
+
+if __name__ == "__main__":  # after the registrations, so -m sees every command
+    main()
