@@ -139,5 +139,9 @@ def list_(verbose):
 
 from . import cli_calibrate, cli_eval  # noqa: E402, F401  (register commands)
 
-if __name__ == "__main__":  # after the registrations, so -m sees every command
-    main()
+if __name__ == "__main__":
+    # `python -m` runs this file as __main__, a second copy of the module: the
+    # commands are registered on veloxpatch.cli's group, so run that one.
+    from veloxpatch.cli import main as registered
+
+    registered()
