@@ -30,7 +30,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 import veloxpatch  # noqa: E402
-from veloxpatch.eval.arms import expand  # noqa: E402
+from veloxpatch.eval.arms import expand, split_arms  # noqa: E402
 from veloxpatch.eval.replay import capture_prefill  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.text import prose_tokens  # noqa: E402
@@ -81,7 +81,7 @@ def main():
     step = args.prefill_step_size
     chunks = [min(step, len(head) - s) for s in range(0, len(head), step)]
     arms = {}
-    for arm in expand(["full"] + args.arms.split(","), [args.budget]):
+    for arm in expand(["full"] + split_arms(args.arms), [args.budget]):
         arms[arm.label] = captured.caches(arm.algo, arm.options, chunks)
     arms = {"unpatched": [as_mlx_kvcache(c) for c in arms["full"]], **arms}
 

@@ -20,7 +20,7 @@ from veloxpatch import blas
 blas.preload()
 
 import veloxpatch  # noqa: E402
-from veloxpatch.eval.arms import expand  # noqa: E402
+from veloxpatch.eval.arms import expand, split_arms  # noqa: E402
 from veloxpatch.eval.metrics import Arm  # noqa: E402
 from veloxpatch.eval.passkey import make_cases  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
@@ -51,7 +51,7 @@ def main():
     model, tokenizer = veloxpatch.load(args.model)
     cases = make_cases(tokenizer, args.cases, args.context, seed=args.seed)
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    arms = [Arm("full")] + expand(args.arms.split(","), budgets)
+    arms = [Arm("full")] + expand(split_arms(args.arms), budgets)
     rows, t0 = [], time.perf_counter()
     for i, case in enumerate(cases):
         rows += run_case(

@@ -19,7 +19,7 @@ from veloxpatch import blas
 blas.preload()
 
 import veloxpatch  # noqa: E402
-from veloxpatch.eval.arms import expand  # noqa: E402
+from veloxpatch.eval.arms import expand, split_arms  # noqa: E402
 from veloxpatch.eval.metrics import evaluate_continuation  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.text import prose_tokens  # noqa: E402
@@ -39,7 +39,7 @@ def main():
     info = run_info()  # the code and machine this run starts with
 
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    arms = expand(args.arms.split(","), budgets)
+    arms = expand(split_arms(args.arms), budgets)
     model, tokenizer = veloxpatch.load(args.model)
     span = args.context + args.continuation
     rows = []

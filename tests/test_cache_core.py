@@ -126,7 +126,11 @@ def test_attention_output_matches_masked_dense_at_cache_level():
         ("streaming_llm", dict(sinks=-1), "sinks"),
         ("streaming_llm", dict(budget=2.5), "integer"),
         ("knorm", dict(budget=10, sinks=4, recent=6), "budget"),
-        ("knorm", dict(window=3), "unknown option.*valid: budget, sinks, recent"),
+        (
+            "knorm",
+            dict(window=3),
+            "unknown option.*valid: budget, sinks, kv_bits, kv_group, kv_residual, target_bits, recent",
+        ),
     ],
 )
 def test_options_validated(algo, opts, match):

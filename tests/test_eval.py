@@ -4,7 +4,8 @@ import pytest
 from conftest import smollm
 from tiny import prompt_tokens, tiny_model
 
-from veloxpatch.eval.arms import expand, parse_arm
+from veloxpatch.errors import OptionError
+from veloxpatch.eval.arms import expand, parse_arm, split_arms
 from veloxpatch.eval.metrics import Arm, evaluate_continuation
 from veloxpatch.eval.passkey import make_case, make_cases, wilson
 from veloxpatch.eval.text import prose
@@ -51,6 +52,21 @@ def test_arm_syntax():
         "knorm:budget=256",
         "streaming_llm:budget=64",
     ]
+
+
+def test_arm_lists_with_several_options():
+    text = "full, snapkv:budget=256,window=16,kivi:bits=adaptive,target_bits=2.5,h2o"
+    assert split_arms(text) == [
+        "full",
+        "snapkv:budget=256,window=16",
+        "kivi:bits=adaptive,target_bits=2.5",
+        "h2o",
+    ]
+    assert parse_arm(split_arms(text)[2]).options == dict(
+        bits="adaptive", target_bits=2.5
+    )
+    with pytest.raises(OptionError):
+        split_arms("budget=3,full")
 
 
 def test_wilson_interval():

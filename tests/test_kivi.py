@@ -6,28 +6,46 @@ import pytest
 from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
-from veloxpatch.caches.kivi import KIVICache, KIVIOptions, dequantize, quantize
+from veloxpatch.caches.kivi import KIVICache, KIVIOptions
+from veloxpatch.caches.quantized import QuantizedRows
 from veloxpatch.errors import OptionError
+
+
+def _check_bound(x, y, groups_axis_last, bits):
+    """Every value within half a step of its group's grid, the step being
+    (max - min) / (2^bits - 1), plus fp16 rounding of the scale and zero point."""
+    g, e = groups_axis_last(np.array(x)), groups_axis_last(np.abs(np.array(y - x)))
+    step = (g.max(-1) - g.min(-1)) / (2**bits - 1)
+    slack = 2e-3 * np.abs(g).max(-1)
+    assert (e.max(-1) <= 0.5 * step * (1 + 1e-3) + slack).all()
+    if bits < 8:
+        assert (e.max(-1) > 0.1 * step).any()  # really quantized
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_round_trip_error_bound(bits):
-    # Asymmetric min/max: every value is within half a step of its group's grid,
-    # the step being (max - min) / (2^bits - 1) (plus fp16 rounding of the
-    # stored scale and zero point).
+    # Keys: groups of 32 rows per channel; values: groups of 32 channels per row.
     mx.random.seed(bits)
-    x = mx.random.normal((2, 3, 8, 128)) * mx.linspace(0.1, 4, 128)
-    q = quantize(x, 32, bits)
-    y = dequantize(q, 32, bits, mx.float32)
-    g = np.array(x).reshape(2, 3, 8, 4, 32)
-    step = (g.max(-1) - g.min(-1)) / (2**bits - 1)
-    err = np.abs(np.array(y) - np.array(x)).reshape(g.shape).max(-1)
-    slack = 2e-3 * np.abs(g).max(-1)  # fp16 scale / zero point
-    assert (err <= 0.5 * step * (1 + 1e-3) + slack).all()
-    if bits < 8:
-        assert (err > 0.1 * step).any()  # really quantized
-    codes = q[0]
-    assert codes.dtype == mx.uint32 and codes.shape[-1] == 128 * bits // 32
+    B, H, T, D = 2, 3, 64, 128
+    k = mx.random.normal((B, H, T, D)) * mx.linspace(0.1, 4, D)
+    v = mx.random.normal((B, H, T, D))
+    rows = QuantizedRows(bits, 32)
+    rows.append(k[:, :, :32], v[:, :, :32])
+    rows.append(k[:, :, 32:], v[:, :, 32:])
+    dk, dv = rows.dequantize(mx.float32)
+
+    def key_groups(a):  # [..., T, D] -> [..., T/32, D, 32]
+        return a.reshape(B, H, T // 32, 32, D).swapaxes(-1, -2)
+
+    _check_bound(k, dk, key_groups, bits)
+    _check_bound(v, dv, lambda a: a.reshape(B, H, T, D // 32, 32), bits)
+    assert rows.kcodes.dtype == mx.uint32 and rows.kcodes.shape[-1] == D * bits // 32
+    # Rows taken out of order keep their own codes and their group's scale.
+    idx = mx.broadcast_to(mx.array([3, 40, 41, 63]), (B, H, 4))
+    rows.take(idx)
+    tk, tv = rows.dequantize(mx.float32)
+    assert mx.array_equal(tk, mx.take_along_axis(dk, idx[..., None], axis=2))
+    assert mx.array_equal(tv, mx.take_along_axis(dv, idx[..., None], axis=2))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -53,6 +53,7 @@ class Patch:
         self.algo = cache_cls.name
         self.cache_cls = cache_cls
         self.options = options
+        self._make = cache_cls.for_options(options)
         self.active = False
         self._prior_make_cache = _MISSING
         self._last_caches: list = []
@@ -64,7 +65,7 @@ class Patch:
         base = self._original_caches()
         n = len(self.sites)
         caches = [
-            base[s.index] if s.sliding else self.cache_cls(self.options, s.index, n)
+            base[s.index] if s.sliding else self._make(self.options, s.index, n)
             for s in self.sites
         ]
         self._last_caches = [weakref.ref(c) for c in caches]

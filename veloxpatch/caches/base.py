@@ -322,8 +322,14 @@ class VeloxCache(_BaseCache):
         self.padded = bool(m["padded"])
 
     @classmethod
+    def for_options(cls, options: CacheOptions) -> type[VeloxCache]:
+        """The class that implements these options (a variant for some)."""
+        return cls
+
+    @classmethod
     def from_state(cls, state, meta_state):
-        cache = cls(cls.Options.create(cls.name, json.loads(meta_state["options"])))
+        options = cls.Options.create(cls.name, json.loads(meta_state["options"]))
+        cache = cls.for_options(options)(options)
         cache.state = state
         cache.meta_state = meta_state
         return cache

@@ -43,10 +43,17 @@ def _check_number(
 @dataclasses.dataclass
 class EvictionOptions(CacheOptions):
     """`budget`: rows kept per layer and KV head, sinks and protected window
-    included. `sinks`: first tokens always kept."""
+    included. `sinks`: first tokens always kept. `kv_bits` (2, 3, 4, 8 or
+    "adaptive" with `target_bits`): store the kept rows KIVI-quantized, keys per
+    channel over `kv_group` rows, values per row, the newest `kv_residual` rows in
+    full precision (see `kv_bits.py`)."""
 
     budget: int = 256
     sinks: int = 4
+    kv_bits: int | str | None = None
+    kv_group: int = 32
+    kv_residual: int = 128
+    target_bits: float | None = None
 
     def protected(self) -> int:
         """Rows that are never evicted besides the scored ones."""
@@ -54,6 +61,14 @@ class EvictionOptions(CacheOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.kv_bits is not None:
+            from .kv_bits import check_quant
+
+            check_quant(
+                self.kv_bits, self.kv_group, self.kv_residual, self.target_bits, "kv_"
+            )
+        elif self.target_bits is not None:
+            raise OptionError("target_bits needs kv_bits='adaptive'")
         _check_int("sinks", self.sinks, 0)
         _check_int("budget", self.budget, 1)
         if self.budget <= self.protected():
@@ -62,10 +77,25 @@ class EvictionOptions(CacheOptions):
                 f"({self.protected()}: sinks and recent window)"
             )
 
+    def bind(self, model):
+        if self.kv_bits is not None:
+            from .kv_bits import check_group_divides
+
+            check_group_divides(model, self.kv_group, "kv_")
+        return super().bind(model)
+
 
 class EvictingCache(VeloxCache):
     Options = EvictionOptions
     recent: int = 0  # rows at the end protected from eviction (subclasses set)
+
+    @classmethod
+    def for_options(cls, options):
+        if options.kv_bits is None:
+            return cls
+        from .kv_bits import quantized_variant
+
+        return quantized_variant(cls)
 
     # ---- hooks ------------------------------------------------------------------
     def scores(self, q) -> mx.array:
@@ -125,11 +155,16 @@ class EvictingCache(VeloxCache):
         """Keep rows `idx` [B, Hkv, K] (ascending) of every head, in that order."""
         if pos is None:
             pos = self.positions_view()
+        self.positions = mx.take_along_axis(pos, idx, axis=2)
+        self.take_stored(idx)
+        self.rows = idx.shape[-1]
+
+    def take_stored(self, idx: mx.array) -> None:
+        """Storage: keep rows `idx` of the keys and values (quantized storage
+        overrides this, not `keep_rows`, which algorithms extend)."""
         keys, values = self._view()
         self.keys = mx.take_along_axis(keys, idx[..., None], axis=2)
         self.values = mx.take_along_axis(values, idx[..., None], axis=2)
-        self.positions = mx.take_along_axis(pos, idx, axis=2)
-        self.rows = idx.shape[-1]
 
     def _capacity(self, needed: int) -> int:
         # Spare capacity is memory held: never allocate past what will be kept,

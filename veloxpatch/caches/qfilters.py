@@ -44,7 +44,7 @@ class QFiltersOptions(EvictionOptions):
             from ..calibration import load_filters
 
             self.loaded = load_filters(self.filters, model)
-        return self
+        return super().bind(model)
 
 
 class QFiltersCache(EvictingCache):

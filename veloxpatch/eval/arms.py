@@ -31,6 +31,23 @@ def parse_pairs(pairs) -> dict:
     return out
 
 
+def split_arms(text: str) -> list[str]:
+    """`snapkv:budget=256,window=16,full` -> ["snapkv:budget=256,window=16", "full"]:
+    a piece with `=` and no `:` is one more option of the arm before it."""
+    arms: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece:
+            if not arms:
+                raise OptionError(f"option {piece!r} comes before any arm")
+            sep = "," if ":" in arms[-1] else ":"
+            arms[-1] += sep + piece
+        else:
+            arms.append(piece)
+    return arms
+
+
 def parse_arm(text: str) -> Arm:
     name, _, rest = text.strip().partition(":")
     pairs = [p for p in rest.split(",") if p.strip()] if rest else []

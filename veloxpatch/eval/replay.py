@@ -48,9 +48,9 @@ class Captured:
     def caches(self, algo: str, options: dict | None = None, chunks=None, bound=None):
         """Fresh caches of `algo` in the state a direct run over `tokens` leaves
         (exact when the captured run processed them in one call)."""
-        cls = ALGORITHMS[algo]
         # `bound`: the patch's options for `options` (loaded calibration files)
-        opts = bound or cls.Options.create(algo, dict(options or {}))
+        opts = bound or ALGORITHMS[algo].Options.create(algo, dict(options or {}))
+        cls = ALGORITHMS[algo].for_options(opts)
         n = len(self.calls)
         if chunks or any(len(calls) != 1 for calls in self.calls):
             caches = [cls(opts, layer, n) for layer in range(n)]

@@ -1,0 +1,206 @@
+"""`kv_bits=` on eviction algorithms, and head-adaptive widths (also for `kivi`)."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from oracle import oracle_logits, run_patched
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.caches.kv_bits import allocate_bits, layer_total
+from veloxpatch.errors import OptionError
+
+N, CHUNKS = 112, [30, 25, 20]  # prefill chunks, then single-token decode
+EVICTION = [
+    ("snapkv", dict(budget=48, window=4)),
+    ("pyramidkv", dict(budget=48, window=4, beta=4)),
+    ("adakv", dict(budget=48, window=4)),
+    ("h2o", dict(budget=40, sinks=2)),
+    ("tova", dict(budget=40)),
+    ("keyformer", dict(budget=40, sinks=1, recent=3)),
+    ("streaming_llm", dict(budget=40)),
+    ("knorm", dict(budget=40)),
+    ("qfilters", dict(budget=80)),
+]
+
+
+def logprobs(x):
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def oracle_error(model, algo, **opts):
+    tokens = prompt_tokens(N).tolist()
+    patched, masks, caches = run_patched(model, tokens, CHUNKS, algo, **opts)
+    dense = oracle_logits(model, tokens, masks)
+    return mx.abs(logprobs(patched) - logprobs(dense)).max().item(), masks, caches
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "ministral3"])
+def test_snapkv_kv_bits_8_against_the_masked_dense_oracle(arch):
+    # The oracle attends in full precision to exactly the rows the cache kept;
+    # 8-bit storage of those rows moves no log-probability by more than 0.05.
+    model = tiny_model(arch, head_dim=32)
+    err, masks, caches = oracle_error(
+        model, "snapkv", kv_bits=8, kv_residual=4, **EVICTION[0][1]
+    )
+    assert err <= 0.05
+    assert all(c.quantized > 0 for c in caches)
+
+
+@pytest.mark.parametrize("algo,opts", EVICTION, ids=lambda x: str(x))
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_every_eviction_algorithm_composes_with_kv_bits(arch, algo, opts):
+    # 0.1, not 0.05: the tiny models' sharpened q/k make 8-bit keys move tiny
+    # qwen3's log-probabilities by 0.056 even with no eviction (`kivi`, bits=8).
+    model = tiny_model(arch, head_dim=32)
+    err, masks, caches = oracle_error(model, algo, kv_bits=8, kv_residual=4, **opts)
+    assert err <= 0.1
+    causal = np.tril(np.ones((N, N), bool))
+    assert sum(int((causal & ~m).sum()) for m in masks) > 0  # evicted
+    assert any(c.quantized > 0 for c in caches)  # and quantized
+    assert all(c.rows <= c.row_bound() + 32 for c in caches)
+
+
+def test_two_bits_really_quantizes():
+    model = tiny_model("llama", head_dim=32)
+    err8, *_ = oracle_error(model, "snapkv", kv_bits=8, kv_residual=4, **EVICTION[0][1])
+    err2, *_ = oracle_error(model, "snapkv", kv_bits=2, kv_residual=4, **EVICTION[0][1])
+    assert err2 > 0.1 > err8
+
+
+def test_eviction_keeps_any_rows_without_touching_the_rest():
+    # Heads keep different numbers of quantized rows: the view after eviction is
+    # exactly the kept rows of the view before (moved rows are the dequantized
+    # values), and the rows every head keeps stay in quantized storage.
+    cls = veloxpatch.api.algorithm("knorm")
+    opts = cls.Options.create("knorm", dict(budget=64, kv_bits=4, kv_residual=8))
+    cache = cls.for_options(opts)(opts)
+    mx.random.seed(3)
+    k, v = mx.random.normal((1, 2, 80, 32)), mx.random.normal((1, 2, 80, 32))
+    cache._append(k, v, 0)
+    cache._flush()
+    assert cache.quantized == 64 and cache.keys.shape[2] == 16
+    before_k, before_v = cache._view()
+    idx = mx.array(
+        [[list(range(0, 60)) + [70], list(range(0, 50)) + list(range(69, 80))]]
+    )
+    cache.keep_rows(idx)
+    after_k, after_v = cache._view()
+    assert mx.array_equal(after_k, mx.take_along_axis(before_k, idx[..., None], 2))
+    assert mx.array_equal(after_v, mx.take_along_axis(before_v, idx[..., None], 2))
+    assert cache.quantized == 50 and cache.rows == 61
+    assert cache.positions_view().tolist() == idx.tolist()
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(kv_bits=5),
+        dict(kv_bits="4"),
+        dict(kv_bits=True),
+        dict(kv_bits=4, kv_group=16),
+        dict(kv_bits=4, kv_group=64),  # does not divide head dim 32
+        dict(kv_bits=4, kv_residual=-1),
+        dict(kv_bits="adaptive"),
+        dict(kv_bits="adaptive", target_bits=1.5),
+        dict(kv_bits="adaptive", target_bits=4.5),
+        dict(kv_bits=4, target_bits=3),
+        dict(target_bits=3),
+    ],
+)
+def test_option_errors_change_nothing(opts):
+    model = tiny_model("llama", head_dim=32)
+    with pytest.raises(OptionError):
+        veloxpatch.apply(model, "snapkv", budget=64, **opts)
+    assert veloxpatch.api.patch_of(model) is None
+    with pytest.raises(OptionError):
+        kivi = {k.removeprefix("kv_"): v for k, v in opts.items()}
+        veloxpatch.apply(
+            model, "kivi", **(kivi if "bits" in kivi else {**kivi, "bits": 9})
+        )
+    assert veloxpatch.api.patch_of(model) is None
+
+
+def test_allocation_spends_the_total_on_the_spread_out_heads():
+    entropy = [0.5, 3.0, 1.0, 2.2, 0.1, 2.9]
+    for total in range(12, 25):
+        bits = allocate_bits(entropy, total)
+        assert sum(bits) == total and set(bits) <= {2, 3, 4}
+        order = np.argsort(entropy)
+        assert all(np.diff(np.array(bits)[order]) >= 0)  # monotone in entropy
+
+
+def test_allocation_follows_the_heads_when_permuted():
+    entropy = [0.7, 1.9, 1.9, 0.2, 1.3]  # a tie
+    for total in range(10, 21):
+        bits = allocate_bits(entropy, total)
+        for perm in itertools.permutations(range(5)):
+            permuted = allocate_bits([entropy[p] for p in perm], total)
+            assert permuted == tuple(bits[p] for p in perm)
+        assert bits[1] == bits[2]  # tied heads are served alike
+        assert total - 1 <= sum(bits) <= total  # a tie may leave one bit over
+
+
+def test_layer_totals_hit_the_model_mean():
+    for target, heads, layers in [(2.5, 3, 30), (2.7, 2, 7), (3.0, 5, 4), (2.2, 3, 3)]:
+        totals = [layer_total(target, heads, layer) for layer in range(layers)]
+        assert sum(totals) == round(target * heads * layers)
+        assert all(2 * heads <= t <= 4 * heads for t in totals)
+
+
+@pytest.mark.parametrize(
+    "algo,opts",
+    [
+        ("kivi", dict(bits="adaptive", residual=4)),
+        ("snapkv", dict(budget=48, window=4, kv_bits="adaptive", kv_residual=4)),
+    ],
+)
+def test_adaptive_widths_come_at_the_end_of_the_prompt(algo, opts):
+    model = tiny_model("qwen3", head_dim=32, num_hidden_layers=4)
+    ids = prompt_tokens(90)
+    with veloxpatch.patched(model, algo, target_bits=2.5, **opts) as patch:
+        caches = patch.make_cache()
+        model(ids[None, :80], cache=caches)
+        assert all(c.quantized == 0 for c in caches)  # the prompt is kept as is
+        patch.end_prompt(caches)
+        for t in ids[80:].tolist():
+            model(mx.array([[t]]), cache=caches)
+        widths = [c.store.bits for c in caches]
+    assert all(c.quantized > 0 for c in caches)
+    flat = [b for w in widths for b in w]
+    assert set(flat) <= {2, 3, 4} and np.mean(flat) == 2.5
+    assert len(set(flat)) > 1
+
+
+@pytest.mark.parametrize(
+    "opts", [dict(kv_bits=4), dict(kv_bits="adaptive", target_bits=3)]
+)
+def test_save_load_and_clone_keep_the_quantized_rows(tmp_path, opts):
+    model = tiny_model("llama", head_dim=32)
+    ids = prompt_tokens(100)
+    with veloxpatch.patched(model, "h2o", budget=48, kv_residual=4, **opts) as p:
+        caches = p.make_cache()
+        model(ids[None, :90], cache=caches)
+        p.end_prompt(caches)
+        model(ids[None, 90:92], cache=caches)
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+        clones = [c.clone() for c in caches]
+        outs = [model(ids[None, 92:], cache=cs) for cs in (caches, loaded, clones)]
+    assert type(loaded[0]) is type(caches[0]) and loaded[0].quantized > 0
+    assert mx.array_equal(outs[0], outs[1]) and mx.array_equal(outs[0], outs[2])
+
+
+def test_quantized_rows_hold_fewer_bytes():
+    model = tiny_model("llama", head_dim=32)
+    ids = prompt_tokens(200)
+    nbytes = {}
+    for bits in (None, 8, 4, 2):
+        extra = {} if bits is None else dict(kv_bits=bits, kv_residual=0)
+        with veloxpatch.patched(model, "tova", budget=160, **extra) as p:
+            caches = p.make_cache()
+            model(ids[None], cache=caches)
+            nbytes[bits] = sum(c.nbytes for c in caches)
+    assert nbytes[None] > nbytes[8] > nbytes[4] > nbytes[2]
