@@ -150,19 +150,20 @@ def save_filters(path, per_head: list[mx.array], model, info: dict | None = None
     mx.save_safetensors(os.fspath(path), arrays, metadata=meta)
 
 
-def load_filters(path, model) -> list[mx.array]:
-    """Per layer [Hkv, D] filters from `path`, checked against `model`."""
+def read_checked(path, model, fmt: str, what: str):
+    """(arrays, metadata, our fingerprint) of a calibration file, after checking
+    that it exists, is readable, has format `fmt` and matches `model`."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise CalibrationError(f"filters file not found: {path}")
+        raise CalibrationError(f"{what} file not found: {path}")
     try:
         arrays, meta = mx.load(path, return_metadata=True)
     except Exception as e:  # mlx raises RuntimeError/ValueError on bad files
-        raise CalibrationError(f"cannot read filters file {path}: {e}") from None
-    if meta.get("format") != FORMAT:
+        raise CalibrationError(f"cannot read {what} file {path}: {e}") from None
+    if meta.get("format") != fmt:
         raise CalibrationError(
-            f"{path} is not a veloxpatch Q-Filters file (format "
-            f"{meta.get('format')!r}, expected {FORMAT!r})"
+            f"{path} is not a veloxpatch {what} file (format "
+            f"{meta.get('format')!r}, expected {fmt!r})"
         )
     try:
         theirs = json.loads(meta["fingerprint"])
@@ -175,6 +176,12 @@ def load_filters(path, model) -> list[mx.array]:
             f"{path} was calibrated for another model (differs in: "
             f"{', '.join(diff) or 'fields'})"
         )
+    return arrays, meta, ours
+
+
+def load_filters(path, model) -> list[mx.array]:
+    """Per layer [Hkv, D] filters from `path`, checked against `model`."""
+    arrays, _, ours = read_checked(path, model, FORMAT, "Q-Filters")
     filters = []
     for i in range(ours["layers"]):
         f = arrays.get(f"layer.{i}.kv_heads")
@@ -186,9 +193,14 @@ def load_filters(path, model) -> list[mx.array]:
     return filters
 
 
+ALGOS = ("qfilters", "a2ats")
+
+
 def check_algo(algo: str) -> None:
-    if algo != "qfilters":
-        raise CalibrationError(f"calibration exists for qfilters only, not {algo!r}")
+    if algo not in ALGOS:
+        raise CalibrationError(
+            f"calibration exists for {' and '.join(ALGOS)} only, not {algo!r}"
+        )
 
 
 # ---- the whole job -----------------------------------------------------------------
@@ -202,22 +214,32 @@ def calibrate(
     out=None,
     seed=0,
     tick=None,
+    codebook_size=4096,
+    far_position=2048,
 ):
-    """Q-Filters of `model` from `tokens` tokens of calibration prose (the half
-    never used for evaluation, or a file): per layer [Hq, D] query-head filters.
-    Written to `out` with the model's fingerprint when given."""
+    """Calibrate `algo` on `tokens` tokens of calibration prose (the half never
+    used for evaluation, or a file), written to `out` with the model's
+    fingerprint when given. qfilters: per layer [Hq, D] query-head filters and
+    the queries; a2ats: per layer codebooks and the captured (keys, queries)."""
     from .eval.text import prose_tokens
 
     check_algo(algo)
     ids = prose_tokens(tokenizer, tokens, text)
+    info = {"tokens": tokens, "text": str(text), "seed": seed}
+    if algo == "a2ats":
+        from .codebook import calibrate_codebook, save_codebook
+
+        books, captured = calibrate_codebook(
+            model, ids, size=codebook_size, far_position=far_position, seed=seed,
+            tick=tick,
+        )
+        if out is not None:
+            info.update(size=codebook_size, vectors=int(captured[0][0].shape[1]))
+            save_codebook(out, books, model, far_position, info)
+        return books, captured
     queries = capture_queries(model, ids, seed=seed, tick=tick)
     per_head = [query_filters(q) for q in queries]
     if out is not None:
-        info = {
-            "tokens": tokens,
-            "text": str(text),
-            "seed": seed,
-            "vectors": int(queries[0].shape[1]),
-        }
+        info["vectors"] = int(queries[0].shape[1])
         save_filters(out, per_head, model, info)
     return per_head, queries

@@ -1,5 +1,6 @@
 """Algorithm registry: one file per algorithm, one line here."""
 
+from .a2ats import A2ATSCache
 from .adakv import AdaKVCache
 from .base import CacheOptions, VeloxCache
 from .full import FullCache
@@ -27,6 +28,7 @@ ALGORITHMS: dict[str, type[VeloxCache]] = {
         KeyformerCache,
         QFiltersCache,
         KIVICache,
+        A2ATSCache,
     )
 }
 

@@ -63,6 +63,7 @@ class VeloxCache(_BaseCache):
     """Dense attention with per-head storage; the parity path of `full`.
 
     Hooks for algorithms:
+      - `rotate(q, k, rope, offset, query_scale)`: RoPE (A2ATS keeps keys unrotated);
       - `attention(q, keys, values, mask, scale)`: how to attend (default: fused SDPA);
       - `after_attend(q, new_rows)`: called after every call, evict here;
       - `end_prompt()`: the prompt is over: when the call after mlx-lm's lone
@@ -103,10 +104,7 @@ class VeloxCache(_BaseCache):
             raise PatchStateError("batch size changed while the cache holds tokens")
         self._resolve_prompt_end(L)
         offset = self.offset
-        q = rope(q, offset=offset)
-        k = rope(k, offset=offset)
-        if query_scale is not None:
-            q = q * query_scale
+        q, k = self.rotate(q, k, rope, offset, query_scale)
         keys, values = self._append(k, v, offset)
         self.scale = scale
         out = self.attention(q, keys, values, self._mask(L, offset, q.shape[1]), scale)
@@ -143,6 +141,12 @@ class VeloxCache(_BaseCache):
             self.end_prompt()
 
     # ---- hooks ----------------------------------------------------------------
+    def rotate(self, q, k, rope, offset: int, query_scale):
+        """Pre-RoPE q, k of a call -> what attention gets and what is stored
+        (default: both rotated to their positions, q times any query scale)."""
+        q, k = rope(q, offset=offset), rope(k, offset=offset)
+        return (q if query_scale is None else q * query_scale), k
+
     def attention(self, q, keys, values, mask, scale):
         return mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=scale, mask=mask

@@ -1,0 +1,207 @@
+"""A2ATS: windowed RoPE, the query-aware codebook, decode retrieval."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.caches.a2ats import rope_at, rope_to, windowed_logits
+from veloxpatch.codebook import (
+    calibrate_codebook,
+    load_codebook,
+    save_codebook,
+    second_moment,
+)
+from veloxpatch.errors import CalibrationError, OptionError, UnsupportedModelError
+
+
+def test_windowed_logits_against_an_explicit_per_pair_computation():
+    # A chunk of 6 queries at positions 10..15 over keys 0..15 with w = 4: key 9
+    # is near for queries 10..12 and far for 13..15.
+    rope, D, w, b = nn.RoPE(8), 8, 4, 2048
+    mx.random.seed(0)
+    q_pre = mx.random.normal((1, 2, 6, D))  # 2 query heads, one KV head
+    k_pre = mx.random.normal((1, 1, 16, D))
+    q_near = rope(q_pre, offset=10)
+    q_far = rope_to(rope, q_pre, b)
+    k_near = rope(k_pre, offset=0)
+    got = windowed_logits(
+        q_near[:, None], q_far[:, None], k_near, k_pre,
+        mx.arange(10, 16), mx.arange(16)[None, None], w,
+    )[0, 0]
+    qp, kp = np.array(q_pre[0]), np.array(k_pre[0, 0])
+
+    def rot(x, pos):
+        return np.array(rope(mx.array(x)[None, None, None], offset=pos))[0, 0, 0]
+
+    for h in range(2):
+        for a, i in enumerate(range(10, 16)):
+            for j in range(16):
+                if j > i:
+                    want = -np.inf
+                elif i - j < w:
+                    want = rot(qp[h, a], i) @ rot(kp[j], j)
+                else:
+                    want = rot(qp[h, a], b) @ kp[j]
+                assert np.isclose(float(got[h, a, j]), want, atol=1e-4), (h, i, j)
+    near9 = [i - 9 < w for i in range(10, 16)]
+    assert near9 == [True, True, True, False, False, False]
+
+
+def test_rope_at_rotates_each_row_to_its_own_position():
+    rope = nn.RoPE(8)
+    x = mx.random.normal((1, 2, 3, 8))
+    pos = mx.array([[[0, 7, 3000], [5, 5, 1]]])
+    got = rope_at(rope, x, pos)
+    for h in range(2):
+        for r in range(3):
+            p = int(pos[0, h, r])
+            want = rope(x[:, h : h + 1, r : r + 1], offset=p)[0, 0, 0]
+            assert mx.allclose(got[0, h, r], want, atol=1e-5)
+
+
+def run(model, ids, prompt, **opts):
+    """Logits of every token: `prompt` tokens in two chunks, the rest one by one."""
+    with veloxpatch.patched(model, "a2ats", **opts) as patch:
+        caches = patch.make_cache()
+        outs = [model(ids[None, : prompt - 20], cache=caches)]
+        outs.append(model(ids[None, prompt - 20 : prompt], cache=caches))
+        for t in ids[prompt:].tolist():
+            outs.append(model(mx.array([[t]]), cache=caches))
+    return mx.concatenate(outs, axis=1), caches
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(window=4096, attention="windowed"),  # w >= context: all near
+        dict(window=4096),
+        dict(window=4, sinks=2, top=1.0),  # everything retrieved
+        dict(window=4, sinks=2, top=1.0, attention="windowed", far_position=0),
+    ],
+)
+def test_parity_with_full(arch, opts):
+    # far_position 0 with pre-RoPE keys is exact only for position-0 pairs, so
+    # the last case is not exact parity: it must still be close (tiny, w = 4).
+    model = tiny_model(arch)
+    ids = prompt_tokens(90)
+    ref = model(ids[None])
+    got, caches = run(model, ids, 60, **opts)
+    err = mx.abs(got - ref).max().item()
+    if opts.get("far_position") == 0:
+        assert err > 1e-3  # windowed RoPE really changes the far logits
+    else:
+        assert err < 1e-4
+    assert all(c.rows == 90 and c.offset == 90 for c in caches)
+
+
+def test_ministral3_yarn_rope_is_refused():
+    model = tiny_model("ministral3")
+    with pytest.raises(UnsupportedModelError, match="rotation"):
+        veloxpatch.apply(model, "a2ats")
+    assert veloxpatch.api.patch_of(model) is None
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(top=0), dict(top=1.5), dict(window=0), dict(attention="dense"),
+     dict(codebook=3), dict(sinks=-1)],
+)
+def test_option_errors(opts):
+    with pytest.raises(OptionError):
+        veloxpatch.apply(tiny_model("llama"), "a2ats", **opts)
+
+
+@pytest.fixture(scope="module")
+def book_file(tmp_path_factory):
+    model = tiny_model("llama")
+    path = tmp_path_factory.mktemp("a2ats") / "book.safetensors"
+    books, captured = calibrate_codebook(
+        model, prompt_tokens(400, seed=4).tolist(), size=16, far_position=2048
+    )
+    save_codebook(path, books, model, 2048)
+    return path, books, captured
+
+
+def test_codebook_is_the_query_aware_k_means_of_the_paper(book_file):
+    path, books, captured = book_file
+    keys, queries = (np.array(a, np.float64) for a in captured[0])
+    book = books[0]
+    lower = np.array(book["transform"], np.float64)
+    h = second_moment(queries, keys.shape[0])
+    assert np.allclose(lower @ lower.transpose(0, 2, 1), h, atol=1e-4)  # H = L L^T
+    assert np.allclose(
+        np.array(book["centroids"]) @ lower, np.array(book["tcentroids"]), atol=1e-3
+    )  # c = c' L^-1
+    # Each key's code is its nearest transformed centroid.
+    model = tiny_model("llama")
+    loaded = load_codebook(path, model, 2048)
+    from veloxpatch.caches.a2ats import assign
+
+    codes = np.array(assign(mx.array(keys[None]), loaded[0]))[0]
+    kt = keys @ lower
+    dist = ((kt[:, :, None] - np.array(book["tcentroids"])[:, None]) ** 2).sum(-1)
+    assert (codes == dist.argmin(-1)).mean() > 0.999
+
+
+def test_codebook_file_is_checked(book_file, tmp_path):
+    path = book_file[0]
+    with pytest.raises(CalibrationError, match="far_position"):
+        load_codebook(path, tiny_model("llama"), 1024)
+    with pytest.raises(CalibrationError, match="another model"):
+        load_codebook(path, tiny_model("llama", seed=1), 2048)
+    with pytest.raises(CalibrationError):
+        veloxpatch.apply(tiny_model("qwen3"), "a2ats", codebook=str(path))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a file")
+    with pytest.raises(CalibrationError):
+        load_codebook(bad, tiny_model("llama"), 2048)
+
+
+@pytest.mark.parametrize("with_book", [False, True])
+def test_retrieval_is_the_union_of_each_heads_top_rows(book_file, with_book):
+    path = book_file[0]
+    model = tiny_model("llama")
+    ids = prompt_tokens(200)
+    opts = dict(window=8, sinks=4, top=0.05)
+    if with_book:
+        opts["codebook"] = str(path)
+    with veloxpatch.patched(model, "a2ats", **opts) as patch:
+        caches = patch.make_cache()
+        model(ids[None, :199], cache=caches)
+        patch.end_prompt(caches)
+        model(ids[None, 199:], cache=caches)
+        c = caches[1]
+        keys, _ = c._view()
+        rows, valid = c.retrieve(keys)
+    B, Hkv, T, D = keys.shape
+    qf = np.array(c._q_far).reshape(Hkv, -1, D)  # the last call's rotated queries
+    k = np.array(keys[0])
+    if with_book:
+        lut = np.einsum("hgd,hcd->hgc", qf, np.array(c.book["centroids"]))
+        codes = np.array(c.codes[0]).astype(np.int64)
+        scores = np.stack([lut[h][:, codes[h]] for h in range(Hkv)])
+    else:
+        scores = np.einsum("hgd,htd->hgt", qf, k)
+    n = int(np.ceil(0.05 * T))
+    for h in range(Hkv):
+        want = set(range(4)) | set(range(T - 8, T))
+        for g in range(qf.shape[1]):
+            far = scores[h, g, 4 : T - 8]
+            want |= set((np.argsort(-far, kind="stable")[:n] + 4).tolist())
+        got = np.array(rows[0, h])[np.array(valid[0, h])]
+        assert sorted(got.tolist()) == sorted(want)
+
+
+def test_nbytes_counts_every_key_and_value_plus_codes(book_file):
+    model = tiny_model("llama")
+    ids = prompt_tokens(100)
+    with veloxpatch.patched(model, "a2ats", codebook=str(book_file[0])) as patch:
+        caches = patch.make_cache()
+        model(ids[None], cache=caches)
+    c = caches[0]
+    assert c.codes.dtype == mx.uint16 and c.codes.shape == (1, 2, 100)
+    assert c.nbytes == c.keys.nbytes + c.values.nbytes + 2 * 2 * 100

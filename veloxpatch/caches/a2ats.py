@@ -1,0 +1,268 @@
+"""`a2ats` (He et al., 2025): windowed RoPE, a query-aware VQ codebook of keys,
+and top-k retrieval at decode.
+
+Windowed RoPE: query i scores key j with exact RoPE when i - j < w (near), and
+as <rope(q_i, b), k_j> with the pre-RoPE key otherwise (far): every far key
+sees the query rotated to one constant position b, so far keys need no position
+and can share one codebook. The cache stores keys unrotated (`rotate` hook) and
+rotates what it needs on the fly.
+
+Prefill is dense. At decode each query head scores the far keys from their codes
+(a lookup table of <q~, c> per centroid, `codebook=` file from `veloxpatch
+calibrate --algo a2ats`; without one, from the keys themselves: the same
+retrieval with exact far scores), keeps the top `top` fraction of the context,
+takes the union over its GQA group plus `sinks` and the `window`, and attends
+over that set only: with exact RoPE (`attention="exact"`) or with windowed RoPE
+(`attention="windowed"`, the other reading of the paper). A2ATS saves compute,
+not memory: it keeps every key and value, plus a code per key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import mlx.core as mx
+
+from ..errors import OptionError, UnsupportedModelError
+from .base import CacheOptions, VeloxCache
+from .eviction import _check_int, _check_number
+
+
+def rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
+    """x [B, H, R, D] with row r rotated to positions[b, h, r]."""
+    B, H, R, D = x.shape
+    flat = x.reshape(B * H * R, 1, 1, D)
+    return rope(flat, offset=positions.reshape(-1).astype(mx.int32)).reshape(x.shape)
+
+
+def rope_to(rope, q: mx.array, position: int) -> mx.array:
+    """q [B, H, L, D] with every row rotated to the same `position` (a view with
+    length 1 on the sequence axis: `rope(q, offset=b)` would rotate row i to b + i)."""
+    B, H, L, D = q.shape
+    return rope(q.reshape(B, H * L, 1, D), offset=position).reshape(q.shape)
+
+
+RESCALING_ROPES = ("YarnRoPE", "SuScaledRoPE")  # scale their input (mscale)
+
+
+def check_pure_rotation(rope, dims: int) -> None:
+    """A2ATS needs RoPE to be a rotation (norms kept, position 0 the identity).
+    YaRN-style ropes rescale their input (by 1 only for some settings), so they
+    are refused by kind, and any other rope is checked numerically."""
+    x = mx.random.normal((1, 1, 3, dims), key=mx.random.key(0))
+    y = rope(x, offset=0)
+    same = mx.allclose(y[:, :, 0], x[:, :, 0], atol=1e-5).item()
+    norms = mx.allclose(mx.linalg.norm(y, axis=-1), mx.linalg.norm(x, axis=-1), 1e-4)
+    if type(rope).__name__ in RESCALING_ROPES or not (same and norms.item()):
+        raise UnsupportedModelError(
+            f"a2ats needs a RoPE that is a pure rotation; {type(rope).__name__} also "
+            "rescales its input (YaRN-style), so far keys cannot stay position-free"
+        )
+
+
+def windowed_logits(q_near, q_far, k_near, k_far, qpos, kpos, window: int):
+    """Unscaled logits [B, Hkv, G, L, T] of queries [B, Hkv, G, L, D] at qpos [L]
+    over keys [B, Hkv, T, D] at kpos [B, Hkv, T]: q_near . k_near where
+    i - j < window, q_far . k_far otherwise, -inf where j > i."""
+    near = q_near @ k_near[:, :, None].swapaxes(-1, -2)
+    far = q_far @ k_far[:, :, None].swapaxes(-1, -2)
+    dist = qpos[None, None, None, :, None] - kpos[:, :, None, None, :]
+    logits = mx.where(dist < window, near, far)
+    return mx.where(dist >= 0, logits, -mx.inf)
+
+
+@dataclasses.dataclass
+class A2ATSOptions(CacheOptions):
+    """`window` (w): newest keys scored with exact RoPE. `far_position` (b): the
+    position far keys see the query at. `sinks`: first keys always attended.
+    `top`: fraction of the context each query head retrieves at decode.
+    `codebook`: file from `veloxpatch calibrate --algo a2ats`. `attention`:
+    "exact" RoPE or "windowed" RoPE over the retrieved keys."""
+
+    window: int = 64
+    far_position: int = 2048
+    sinks: int = 8
+    top: float = 0.03
+    codebook: str | None = None
+    attention: str = "exact"
+
+    def __post_init__(self):
+        _check_int("window", self.window, 1)
+        _check_int("far_position", self.far_position, 0)
+        _check_int("sinks", self.sinks, 0)
+        _check_number("top", self.top, 0, 1, lo_open=True)
+        if self.attention not in ("exact", "windowed"):
+            raise OptionError(
+                f"attention must be 'exact' or 'windowed', got {self.attention!r}"
+            )
+        if self.codebook is not None and not isinstance(self.codebook, str):
+            raise OptionError(f"codebook must be a file path, got {self.codebook!r}")
+        self.loaded = None  # per layer codebook, once bound to a model
+
+    def bind(self, model):
+        from model_adapters.base import head_dim
+
+        for layer in model.layers:
+            check_pure_rotation(layer.self_attn.rope, head_dim(layer.self_attn))
+        if self.codebook is not None:
+            from ..codebook import load_codebook
+
+            self.loaded = load_codebook(self.codebook, model, self.far_position)
+        return self
+
+
+def assign(keys: mx.array, book: dict) -> mx.array:
+    """Codes [B, Hkv, L] (uint16) of pre-RoPE keys [B, Hkv, L, D]: the nearest
+    centroid after the query-aware transform, argmin |k L - c'|."""
+    kt = keys.astype(mx.float32) @ book["transform"]  # [B, Hkv, L, D]
+    dist = book["tnorm2"][:, None, :] - 2 * (kt @ book["tcentroids"].swapaxes(-1, -2))
+    return mx.argmin(dist, axis=-1).astype(mx.uint16)
+
+
+class A2ATSCache(VeloxCache):
+    name = "a2ats"
+    summary = "windowed RoPE + query-aware VQ codes; decode attends the top 3% only"
+    note = (
+        "keeps every key (saves compute, not memory); codebook=FILE from "
+        "`veloxpatch calibrate --algo a2ats`, else far scores are exact."
+    )
+    Options = A2ATSOptions
+
+    def __init__(self, options=None, layer=0, num_layers=1):
+        super().__init__(options, layer, num_layers)
+        self.codes = None  # [B, Hkv, T] uint16, with a codebook
+        self.decoding = False  # the prompt has ended: retrieve
+        self._rope = None
+        self._q_far = None  # the call's queries rotated to b (times any scale)
+
+    @property
+    def book(self) -> dict | None:
+        loaded = self.options.loaded
+        return None if loaded is None else loaded[self.layer]
+
+    def rotate(self, q, k, rope, offset, query_scale):
+        self._rope = rope
+        q_far = rope_to(rope, q, self.options.far_position)
+        q = rope(q, offset=offset)
+        if query_scale is not None:
+            q, q_far = q * query_scale, q_far * query_scale
+        self._q_far = q_far
+        return q, k  # keys are stored pre-RoPE
+
+    def _append(self, k, v, offset):
+        out = super()._append(k, v, offset)
+        if self.book is not None:
+            new = assign(k, self.book)
+            self.codes = new if self.codes is None else mx.concatenate([self.codes, new], 2)
+        return out
+
+    def end_prompt(self):
+        self.decoding = True
+
+    # ---- attention ----------------------------------------------------------------
+    def attention(self, q, keys, values, mask, scale):
+        o, T = self.options, keys.shape[2]
+        if q.shape[2] == 1 and self.decoding and T - o.window > o.sinks:
+            return self._retrieved(q, keys, values, scale)
+        if o.attention == "exact":  # rows are positions 0..T-1: one rope call
+            k_near = self._rope(keys, offset=0)
+            return mx.fast.scaled_dot_product_attention(
+                q, k_near, values, scale=scale, mask=mask
+            )
+        B, H, T, _ = keys.shape
+        pos = mx.broadcast_to(mx.arange(T, dtype=mx.int32), (B, H, T))
+        return self._attend(q, self._rope(keys, offset=0), keys, values, pos, None, scale)
+
+    def _attend(self, q, k_near, k_far, values, kpos, valid, scale):
+        """Windowed (or, when all are near, exact) attention of the call's queries
+        over keys at kpos [B, Hkv, R]; `valid` [B, Hkv, R] hides duplicates."""
+        B, Hq, L, D = q.shape
+        Hkv = k_near.shape[1]
+        G = Hq // Hkv
+        qpos = mx.arange(self.offset, self.offset + L, dtype=mx.int32)
+        window = self.options.window if self.options.attention == "windowed" else 2**31 - 1
+        logits = windowed_logits(
+            q.reshape(B, Hkv, G, L, D).astype(mx.float32),
+            self._q_far.reshape(B, Hkv, G, L, D).astype(mx.float32),
+            k_near.astype(mx.float32),
+            k_far.astype(mx.float32),
+            qpos,
+            kpos,
+            window,
+        )
+        logits = logits * scale
+        if valid is not None:
+            logits = mx.where(valid[:, :, None, None, :], logits, -mx.inf)
+        p = mx.softmax(logits, axis=-1)
+        out = p @ values[:, :, None].astype(mx.float32)  # [B, Hkv, G, L, D]
+        return out.reshape(B, Hq, L, -1).astype(q.dtype)
+
+    def far_scores(self, keys) -> mx.array:
+        """Approximate far scores [B, Hkv, G, F] of the decode query over rows
+        sinks .. T - window - 1: <q~, c> looked up by code, or exact <q~, k>."""
+        o = self.options
+        B, Hkv, T, D = keys.shape
+        G = self._q_far.shape[1] // Hkv
+        qf = self._q_far.reshape(B, Hkv, G, D).astype(mx.float32)
+        end = T - o.window
+        if self.book is None:
+            return qf @ keys[:, :, o.sinks : end].astype(mx.float32).swapaxes(-1, -2)
+        lut = qf @ self.book["centroids"].swapaxes(-1, -2)  # [B, Hkv, G, C]
+        codes = self.codes[:, :, None, o.sinks : end].astype(mx.int32)
+        return mx.take_along_axis(lut, mx.broadcast_to(codes, (B, Hkv, G, end - o.sinks)), -1)
+
+    def retrieve(self, keys) -> tuple[mx.array, mx.array]:
+        """Rows [B, Hkv, R] to attend (sinks, the union over the group of each
+        query head's top far rows, the window) and which are not duplicates."""
+        o = self.options
+        B, Hkv, T, _ = keys.shape
+        scores = self.far_scores(keys)
+        G, F = scores.shape[2], scores.shape[3]
+        k = min(F, max(1, math.ceil(o.top * T)))
+        top = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+        picked = mx.sort(top.reshape(B, Hkv, G * k).astype(mx.int32), axis=-1) + o.sinks
+        dup = picked[..., 1:] == picked[..., :-1]
+        sinks = mx.broadcast_to(mx.arange(o.sinks, dtype=mx.int32), (B, Hkv, o.sinks))
+        near = mx.broadcast_to(mx.arange(T - o.window, T, dtype=mx.int32), (B, Hkv, o.window))
+        rows = mx.concatenate([sinks, picked, near], axis=-1)
+        valid = mx.concatenate(
+            [
+                mx.ones((B, Hkv, o.sinks + 1), mx.bool_),
+                ~dup,
+                mx.ones((B, Hkv, o.window), mx.bool_),
+            ],
+            axis=-1,
+        )
+        return rows, valid
+
+    def _retrieved(self, q, keys, values, scale):
+        rows, valid = self.retrieve(keys)
+        k_sel = mx.take_along_axis(keys, rows[..., None], axis=2)
+        v_sel = mx.take_along_axis(values, rows[..., None], axis=2)
+        k_near = rope_at(self._rope, k_sel, rows)
+        return self._attend(q, k_near, k_sel, v_sel, rows, valid, scale)
+
+    # ---- contract -----------------------------------------------------------------
+    def side_arrays(self):
+        return super().side_arrays() + ([] if self.codes is None else [self.codes])
+
+    @property
+    def nbytes(self):
+        codes = 0 if self.codes is None else self.codes.nbytes
+        return super().nbytes + codes
+
+    def extra_state(self):
+        return {} if self.codes is None else {"codes": self.codes}
+
+    def load_extra_state(self, st):
+        self.codes = st.get("codes")
+
+    @property
+    def meta_state(self):
+        return {**super().meta_state, "decoding": self.decoding}
+
+    @meta_state.setter
+    def meta_state(self, m):
+        VeloxCache.meta_state.fset(self, m)
+        self.decoding = bool(m.get("decoding", False))
