@@ -28,8 +28,13 @@ def test_windowed_logits_against_an_explicit_per_pair_computation():
     q_far = rope_to(rope, q_pre, b)
     k_near = rope(k_pre, offset=0)
     got = windowed_logits(
-        q_near[:, None], q_far[:, None], k_near, k_pre,
-        mx.arange(10, 16), mx.arange(16)[None, None], w,
+        q_near[:, None],
+        q_far[:, None],
+        k_near,
+        k_pre,
+        mx.arange(10, 16),
+        mx.arange(16)[None, None],
+        w,
     )[0, 0]
     qp, kp = np.array(q_pre[0]), np.array(k_pre[0, 0])
 
@@ -107,8 +112,14 @@ def test_ministral3_yarn_rope_is_refused():
 
 @pytest.mark.parametrize(
     "opts",
-    [dict(top=0), dict(top=1.5), dict(window=0), dict(attention="dense"),
-     dict(codebook=3), dict(sinks=-1)],
+    [
+        dict(top=0),
+        dict(top=1.5),
+        dict(window=0),
+        dict(attention="dense"),
+        dict(codebook=3),
+        dict(sinks=-1),
+    ],
 )
 def test_option_errors(opts):
     with pytest.raises(OptionError):

@@ -230,7 +230,11 @@ def calibrate(
         from .codebook import calibrate_codebook, save_codebook
 
         books, captured = calibrate_codebook(
-            model, ids, size=codebook_size, far_position=far_position, seed=seed,
+            model,
+            ids,
+            size=codebook_size,
+            far_position=far_position,
+            seed=seed,
             tick=tick,
         )
         if out is not None:

@@ -110,7 +110,9 @@ def kmeans(x: np.ndarray, k: int, seed: int, iters: int = 25) -> np.ndarray:
         np.add.at(sums, label, x)
         counts = np.bincount(label, minlength=k)
         empty = np.flatnonzero(counts == 0)
-        centers = np.where(counts[:, None] > 0, sums / np.maximum(counts, 1)[:, None], centers)
+        centers = np.where(
+            counts[:, None] > 0, sums / np.maximum(counts, 1)[:, None], centers
+        )
         for j, far in zip(empty, np.argsort(-best)[: len(empty)]):
             centers[j] = x[far]
     return centers
@@ -122,7 +124,11 @@ def layer_codebook(keys, queries, size: int, seed: int, query_aware=True) -> dic
     hkv, n, d = keys.shape
     if size > n:
         raise CalibrationError(f"codebook size {size} exceeds the {n} keys captured")
-    h = second_moment(queries, hkv) if query_aware else np.broadcast_to(np.eye(d), (hkv, d, d))
+    h = (
+        second_moment(queries, hkv)
+        if query_aware
+        else np.broadcast_to(np.eye(d), (hkv, d, d))
+    )
     out = {"transform": [], "tcentroids": [], "centroids": []}
     for g in range(hkv):
         lower = np.linalg.cholesky(h[g])  # H = L L^T
@@ -164,15 +170,23 @@ def load_codebook(path, model, far_position: int) -> list[dict]:
         )
     books = []
     for i in range(ours["layers"]):
-        book = {k: arrays.get(f"layer.{i}.{k}") for k in ("transform", "tcentroids", "centroids")}
-        ok = all(v is not None and v.ndim == 3 and v.shape[0] == ours["kv_heads"] for v in book.values())
+        book = {
+            k: arrays.get(f"layer.{i}.{k}")
+            for k in ("transform", "tcentroids", "centroids")
+        }
+        ok = all(
+            v is not None and v.ndim == 3 and v.shape[0] == ours["kv_heads"]
+            for v in book.values()
+        )
         if not ok or not all(bool(mx.isfinite(v).all().item()) for v in book.values()):
             raise CalibrationError(f"{path}: damaged, layer {i} codebook")
         books.append(with_norms(book))
     return books
 
 
-def calibrate_codebook(model, ids, *, size, far_position, seed=0, tick=None, query_aware=True):
+def calibrate_codebook(
+    model, ids, *, size, far_position, seed=0, tick=None, query_aware=True
+):
     """Per layer codebooks (with norms) and the captured keys and queries."""
     captured = capture(model, ids, far_position, seed=seed, tick=tick)
     books = [layer_codebook(k, q, size, seed, query_aware) for k, q in captured]

@@ -154,7 +154,9 @@ class A2ATSCache(VeloxCache):
         out = super()._append(k, v, offset)
         if self.book is not None:
             new = assign(k, self.book)
-            self.codes = new if self.codes is None else mx.concatenate([self.codes, new], 2)
+            self.codes = (
+                new if self.codes is None else mx.concatenate([self.codes, new], 2)
+            )
         return out
 
     def end_prompt(self):
@@ -172,7 +174,9 @@ class A2ATSCache(VeloxCache):
             )
         B, H, T, _ = keys.shape
         pos = mx.broadcast_to(mx.arange(T, dtype=mx.int32), (B, H, T))
-        return self._attend(q, self._rope(keys, offset=0), keys, values, pos, None, scale)
+        return self._attend(
+            q, self._rope(keys, offset=0), keys, values, pos, None, scale
+        )
 
     def _attend(self, q, k_near, k_far, values, kpos, valid, scale):
         """Windowed (or, when all are near, exact) attention of the call's queries
@@ -181,7 +185,9 @@ class A2ATSCache(VeloxCache):
         Hkv = k_near.shape[1]
         G = Hq // Hkv
         qpos = mx.arange(self.offset, self.offset + L, dtype=mx.int32)
-        window = self.options.window if self.options.attention == "windowed" else 2**31 - 1
+        window = (
+            self.options.window if self.options.attention == "windowed" else 2**31 - 1
+        )
         logits = windowed_logits(
             q.reshape(B, Hkv, G, L, D).astype(mx.float32),
             self._q_far.reshape(B, Hkv, G, L, D).astype(mx.float32),
@@ -210,7 +216,9 @@ class A2ATSCache(VeloxCache):
             return qf @ keys[:, :, o.sinks : end].astype(mx.float32).swapaxes(-1, -2)
         lut = qf @ self.book["centroids"].swapaxes(-1, -2)  # [B, Hkv, G, C]
         codes = self.codes[:, :, None, o.sinks : end].astype(mx.int32)
-        return mx.take_along_axis(lut, mx.broadcast_to(codes, (B, Hkv, G, end - o.sinks)), -1)
+        return mx.take_along_axis(
+            lut, mx.broadcast_to(codes, (B, Hkv, G, end - o.sinks)), -1
+        )
 
     def retrieve(self, keys) -> tuple[mx.array, mx.array]:
         """Rows [B, Hkv, R] to attend (sinks, the union over the group of each
@@ -224,7 +232,9 @@ class A2ATSCache(VeloxCache):
         picked = mx.sort(top.reshape(B, Hkv, G * k).astype(mx.int32), axis=-1) + o.sinks
         dup = picked[..., 1:] == picked[..., :-1]
         sinks = mx.broadcast_to(mx.arange(o.sinks, dtype=mx.int32), (B, Hkv, o.sinks))
-        near = mx.broadcast_to(mx.arange(T - o.window, T, dtype=mx.int32), (B, Hkv, o.window))
+        near = mx.broadcast_to(
+            mx.arange(T - o.window, T, dtype=mx.int32), (B, Hkv, o.window)
+        )
         rows = mx.concatenate([sinks, picked, near], axis=-1)
         valid = mx.concatenate(
             [

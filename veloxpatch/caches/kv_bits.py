@@ -157,11 +157,13 @@ class QuantizedKV:
                 old = self.store.clone()
                 old.take(mx.minimum(rest, tq - 1))
                 dk, dv = old.dequantize(self.keys.dtype)
-                is_q = (rest < tq)[..., None]
-                r = mx.maximum(rest - tq, 0)[..., None]
-                rk = mx.take_along_axis(self.keys, r, axis=2)
-                rv = mx.take_along_axis(self.values, r, axis=2)
-                self.keys, self.values = mx.where(is_q, dk, rk), mx.where(is_q, dv, rv)
+                if self.keys.shape[2]:
+                    is_q = (rest < tq)[..., None]
+                    r = mx.maximum(rest - tq, 0)[..., None]
+                    rk = mx.take_along_axis(self.keys, r, axis=2)
+                    rv = mx.take_along_axis(self.values, r, axis=2)
+                    dk, dv = mx.where(is_q, dk, rk), mx.where(is_q, dv, rv)
+                self.keys, self.values = dk, dv  # (an empty residual: all moved)
             else:
                 self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
             self.store.take(idx[..., :n])

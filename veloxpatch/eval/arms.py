@@ -55,11 +55,13 @@ def parse_arm(text: str) -> Arm:
 
 
 def expand(arm_texts, budgets=()) -> list[Arm]:
-    """Parse arms; an arm without a budget (other than `full`) gets each budget."""
+    """Parse arms; arms that take a budget and name none get each of `budgets`."""
+    from .sessions import takes_budget
+
     arms = []
     for text in arm_texts:
         arm = parse_arm(text)
-        if budgets and arm.algo != "full" and "budget" not in arm.options:
+        if budgets and takes_budget(arm.algo) and "budget" not in arm.options:
             arms += [Arm(arm.algo, {**arm.options, "budget": b}) for b in budgets]
         else:
             arms.append(arm)

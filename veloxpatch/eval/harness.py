@@ -10,11 +10,10 @@ from __future__ import annotations
 import statistics
 
 from ..errors import OptionError
-from .arms import parse_arm
+from .arms import expand
 from .metrics import Arm, evaluate_continuation
 from .passkey import make_cases
 from .runner import run_case, summarize
-from .sessions import takes_budget
 from .text import prose_length, prose_tokens
 
 TASKS = ("passkey", "ppl", "agreement")
@@ -30,14 +29,7 @@ def parse_tasks(text: str) -> list[str]:
 
 def expand_arms(texts, budgets=()) -> list[Arm]:
     """Parse arms; arms that take a budget and name none get each of `budgets`."""
-    arms = []
-    for text in texts:
-        arm = parse_arm(text)
-        if budgets and takes_budget(arm.algo) and "budget" not in arm.options:
-            arms += [Arm(arm.algo, {**arm.options, "budget": b}) for b in budgets]
-        else:
-            arms.append(arm)
-    return arms
+    return expand(texts, budgets)
 
 
 def passkey(model, tokenizer, arms, *, context, cases, seed, text, step, tick):

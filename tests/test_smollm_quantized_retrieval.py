@@ -1,0 +1,69 @@
+"""Real-model checks of `kv_bits` / adaptive widths and of `a2ats` on SmolLM2."""
+
+import mlx.core as mx
+import numpy as np
+from conftest import smollm
+from helpers import greedy, max_abs
+
+import veloxpatch
+from veloxpatch.codebook import capture, layer_codebook, with_norms
+from veloxpatch.eval.codebook_quality import capture_segment, codebook_quality
+from veloxpatch.eval.text import prose_tokens
+
+
+@smollm
+def test_snapkv_with_8_bit_rows_generates_what_snapkv_does(loaded):
+    model, tokenizer = loaded
+    prompt = mx.array(prose_tokens(tokenizer, 600, start=9000))
+    runs = {}
+    for bits in (None, 8, 4):
+        extra = {} if bits is None else dict(kv_bits=bits, kv_residual=32)
+        with veloxpatch.patched(model, "snapkv", budget=256, **extra) as patch:
+            caches = patch.make_cache()
+            toks, lp = greedy(
+                model, prompt, n=12, prefill_step_size=256, prompt_cache=caches
+            )
+            runs[bits] = (toks, lp, sum(c.nbytes for c in caches))
+    ref, lp8 = runs[None][1], runs[8][1]
+    kl = (mx.exp(ref) * (ref - lp8)).sum(-1).max().item()
+    assert runs[8][0] == runs[None][0] and kl < 0.01
+    assert runs[None][2] > runs[8][2] > runs[4][2]
+
+
+@smollm
+def test_adaptive_widths_on_smollm(loaded):
+    # 30 layers x 3 KV heads at a 2.5 target: 225 bits in all, spread by entropy.
+    model, tokenizer = loaded
+    prompt = mx.array(prose_tokens(tokenizer, 300, start=12000))
+    with veloxpatch.patched(model, "kivi", bits="adaptive", target_bits=2.5) as p:
+        caches = p.make_cache()
+        greedy(model, prompt, n=3, prefill_step_size=256, prompt_cache=caches)
+    widths = np.array([c.store.bits for c in caches])
+    assert widths.shape == (30, 3) and widths.sum() == 225
+    assert set(widths.ravel()) <= {2, 3, 4} and len(set(widths.ravel())) > 1
+
+
+@smollm
+def test_a2ats_retrieving_everything_is_full(loaded):
+    model, tokenizer = loaded
+    prompt = mx.array(prose_tokens(tokenizer, 400, start=3000))
+    ref_toks, ref_lp = greedy(model, prompt, n=10, prefill_step_size=256)
+    with veloxpatch.patched(model, "a2ats", top=1.0, window=16) as patch:
+        toks, lp = greedy(
+            model, prompt, n=10, prefill_step_size=256, prompt_cache=patch.make_cache()
+        )
+    assert toks == ref_toks and max_abs(lp, ref_lp) < 1e-3
+
+
+@smollm
+def test_query_aware_codebook_beats_plain_k_means_on_smollm(loaded):
+    model, tokenizer = loaded
+    captured = capture(model, prose_tokens(tokenizer, 1024, "calibration"), 2048)
+    held_out = prose_tokens(tokenizer, 768, "evaluation", start=40_000)
+    segment = capture_segment(model, held_out, 8, 2048)
+    means = {}
+    for aware in (True, False):
+        books = [with_norms(layer_codebook(k, q, 32, 0, aware)) for k, q in captured]
+        means[aware], _ = codebook_quality(books, [segment], top=0.05)
+    assert means[True]["recall_exact"] > means[False]["recall_exact"]
+    assert means[True]["error"] < means[False]["error"]
