@@ -29,7 +29,7 @@ from veloxpatch.eval.text import prose_tokens  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="64,256,1024")
+    ap.add_argument("--sizes", default="64,256,1024", help="empty: ceiling only")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--segments", type=int, default=2)
     ap.add_argument("--context", type=int, default=2048)
@@ -46,9 +46,10 @@ def main():
     info = run_info()
     model, tokenizer = veloxpatch.load()
     b = args.far_position
+    sizes = [int(s) for s in args.sizes.split(",") if s]
     t0 = time.perf_counter()
     ids = prose_tokens(tokenizer, args.tokens, "calibration")
-    captured = capture(model, ids, b, seed=args.seed)
+    captured = capture(model, ids, b, seed=args.seed) if sizes else []
     print(f"calibration capture: {time.perf_counter() - t0:.0f}s", flush=True)
     segments = [
         capture_segment(
@@ -60,8 +61,11 @@ def main():
         for s in range(args.segments)
     ]
     metric = dict(window=args.window, sinks=args.sinks, top=args.top)
+    books = [None] * len(segments[0])
+    ceiling, ceiling_layers = codebook_quality(books, segments, **metric)
+    print(f"ceiling (windowed far logits vs exact): {ceiling['ceiling']:.3f}")
     rows = []
-    for size in [int(s) for s in args.sizes.split(",")]:
+    for size in sizes:
         for aware in (True, False):
             t0 = time.perf_counter()
             books = [
@@ -80,7 +84,9 @@ def main():
             if aware and size == args.save_size and args.save:
                 meta = dict(tokens=args.tokens, size=size, seed=args.seed)
                 save_codebook(args.save, books, model, b, meta)
-    write_results(args.out, {"run": info, "config": vars(args), "rows": rows})
+    ceiling = dict(**ceiling, per_layer=ceiling_layers)
+    result = {"run": info, "config": vars(args), "ceiling": ceiling, "rows": rows}
+    write_results(args.out, result)
     print(f"results: {args.out}")
 
 

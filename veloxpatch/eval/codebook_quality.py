@@ -6,7 +6,9 @@ windowed far logits <q~, k> (q~ = rope(q, b)), and the codebook's <q~, c(k)>.
 Per layer (mean over KV heads, their query heads and the queries):
   - recall: of the top `top` fraction of far keys by exact attention (and by
     windowed far logits), the share the codebook's top fraction finds;
-  - query-weighted error: mean (q~ . (k - c(k)))^2 / mean (q~ . k)^2.
+  - query-weighted error: mean (q~ . (k - c(k)))^2 / mean (q~ . k)^2;
+  - ceiling: the recall of exact attention's top keys by the windowed far
+    logits themselves, what a perfect codebook would reach.
 """
 
 from __future__ import annotations
@@ -78,18 +80,21 @@ def recall(approx: np.ndarray, truth: np.ndarray, k: int) -> float:
     return float(np.mean(hits)) / k
 
 
-def layer_metrics(book: dict, data, window=64, sinks=8, top=0.03) -> dict:
-    """recall_exact, recall_windowed and error of one layer's codebook on one
-    captured segment (`capture_segment`)."""
+def layer_metrics(book: dict | None, data, window=64, sinks=8, top=0.03) -> dict:
+    """recall_exact, recall_windowed, error and ceiling of one layer's codebook
+    on one captured segment (`capture_segment`); only the ceiling without one."""
     k_pre, k_exact, q_exact, q_far = data
     hkv, T, D = k_pre.shape
     hq, nq, _ = q_exact.shape
     g = hq // hkv
-    codes = np.array(assign(k_pre[None], book)[0]).astype(np.int64)  # [Hkv, T]
-    cent = np.array(book["centroids"])
+    if book is not None:
+        codes = np.array(assign(k_pre[None], book)[0]).astype(np.int64)  # [Hkv, T]
+        cent = np.array(book["centroids"])
     kp, ke = np.array(k_pre), np.array(k_exact)
     qe, qf = (np.array(a).reshape(hkv, g, nq, D) for a in (q_exact, q_far))
-    res = {"recall_exact": [], "recall_windowed": [], "error": []}
+    res = {"recall_exact": [], "recall_windowed": [], "error": [], "ceiling": []}
+    if book is None:  # no codebook: only the ceiling
+        res = {"ceiling": []}
     for a in range(nq):
         i = T - nq + a
         far = slice(sinks, i - window + 1)
@@ -97,6 +102,9 @@ def layer_metrics(book: dict, data, window=64, sinks=8, top=0.03) -> dict:
         for h in range(hkv):
             exact = qe[h, :, a] @ ke[h, far].T
             windowed = qf[h, :, a] @ kp[h, far].T
+            res["ceiling"].append(recall(windowed, exact, n))  # a perfect codebook
+            if book is None:
+                continue
             approx = qf[h, :, a] @ cent[h][codes[h, far]].T
             res["recall_exact"].append(recall(approx, exact, n))
             res["recall_windowed"].append(recall(approx, windowed, n))
