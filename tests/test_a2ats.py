@@ -216,3 +216,35 @@ def test_nbytes_counts_every_key_and_value_plus_codes(book_file):
     c = caches[0]
     assert c.codes.dtype == mx.uint16 and c.codes.shape == (1, 2, 100)
     assert c.nbytes == c.keys.nbytes + c.values.nbytes + 2 * 2 * 100
+
+
+def test_save_load_keeps_codes_and_codebook(book_file, tmp_path):
+    model = tiny_model("llama")
+    ids = prompt_tokens(150)
+    opts = dict(window=8, sinks=4, top=0.1, codebook=str(book_file[0]))
+    with veloxpatch.patched(model, "a2ats", **opts) as patch:
+        caches = patch.make_cache()
+        model(ids[None, :140], cache=caches)
+        patch.end_prompt(caches)
+        model(ids[None, 140:141], cache=caches)
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+        outs = []
+        for cs in (caches, loaded):
+            outs.append([model(mx.array([[t]]), cache=cs) for t in ids[141:].tolist()])
+    assert loaded[0].decoding and loaded[0].codes.shape == (1, 2, 141)
+    assert all(mx.array_equal(a, b) for a, b in zip(*outs))
+
+
+def test_codebook_options_must_be_bound_to_a_model(book_file):
+    cls = veloxpatch.api.algorithm("a2ats")
+    opts = cls.Options.create("a2ats", dict(codebook=str(book_file[0])))
+    cache = cls(opts)
+    with pytest.raises(OptionError, match="not loaded"):
+        cache.attend(
+            mx.zeros((1, 4, 2, 16)),
+            mx.zeros((1, 2, 2, 16)),
+            mx.zeros((1, 2, 2, 16)),
+            rope=nn.RoPE(16),
+            scale=0.25,
+        )
