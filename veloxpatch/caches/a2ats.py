@@ -135,11 +135,9 @@ class A2ATSCache(VeloxCache):
         self.decoding = False  # the prompt has ended: retrieve
         self._rope = None
         self._q_far = None  # the call's queries rotated to b (times any scale)
-
-    @property
-    def book(self) -> dict | None:
+        # this layer's codebook: from the bound options, or from a saved state
         loaded = self.options.loaded
-        return None if loaded is None else loaded[self.layer]
+        self.book = None if loaded is None else loaded[layer]
 
     def rotate(self, q, k, rope, offset, query_scale):
         self._rope = rope
@@ -151,6 +149,8 @@ class A2ATSCache(VeloxCache):
         return q, k  # keys are stored pre-RoPE
 
     def _append(self, k, v, offset):
+        if self.options.codebook is not None and self.book is None:
+            raise OptionError("a2ats: the codebook file was not loaded for a model")
         out = super()._append(k, v, offset)
         if self.book is not None:
             new = assign(k, self.book)
@@ -263,10 +263,14 @@ class A2ATSCache(VeloxCache):
         return super().nbytes + codes
 
     def extra_state(self):
-        return {} if self.codes is None else {"codes": self.codes}
+        # the codebook travels with the codes, so a loaded cache needs no model
+        st = {} if self.codes is None else {"codes": self.codes}
+        return st | {f"book.{k}": v for k, v in (self.book or {}).items()}
 
     def load_extra_state(self, st):
         self.codes = st.get("codes")
+        book = {k[5:]: v for k, v in st.items() if k.startswith("book.")}
+        self.book = book or self.book
 
     @property
     def meta_state(self):

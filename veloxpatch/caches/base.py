@@ -343,7 +343,9 @@ class VeloxCache(_BaseCache):
         raise UnsupportedCacheOperation(
             "mlx-lm's kv_bits quantization is not supported with veloxpatch caches "
             "(it would silently swap them for a plain quantized cache); drop "
-            "kv_bits, or restore the patch to use mlx-lm's QuantizedKVCache"
+            "kv_bits and pass it to veloxpatch.apply instead (any evicting "
+            "algorithm, or algo='kivi'), or restore the patch to use mlx-lm's "
+            "QuantizedKVCache"
         )
 
     @classmethod
