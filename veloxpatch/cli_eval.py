@@ -128,12 +128,12 @@ def eval_(
     """Passkey accuracy, perplexity and agreement with full, per arm."""
     from . import models
     from .eval import harness
-    from .eval.arms import split_arms
+    from .eval.arms import expand, split_arms
     from .eval.metrics import Arm
     from .eval.runinfo import run_info, write_results
 
     task_list = harness.parse_tasks(tasks)
-    arm_list = harness.expand_arms(split_arms(arms), _ints(budgets))
+    arm_list = expand(split_arms(arms), _ints(budgets))
     if not any(a.algo == "full" and not a.options for a in arm_list):
         arm_list.insert(0, Arm("full"))  # the reference every table needs
     arm_list, skipped = _check_arms(arm_list)
@@ -195,11 +195,10 @@ def bench(
     """Prefill/decode tok/s, KV bytes and peak memory vs unpatched mlx-lm."""
     from . import models
     from .eval import bench as bench_mod
-    from .eval import harness
-    from .eval.arms import split_arms
+    from .eval.arms import expand, split_arms
     from .eval.runinfo import run_info, write_results
 
-    arm_list = harness.expand_arms(split_arms(arms), _ints(budgets))
+    arm_list = expand(split_arms(arms), _ints(budgets))
     arm_list, skipped = _check_arms(arm_list)
     for s in skipped:
         click.echo(f"skipped {s['arm']}: {s['reason']}", err=True)

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from ..errors import OptionError
 from .attention_probs import query_probs
+from .base import VeloxCache
 from .quantized import QuantizedStore
 
 BITS = (2, 3, 4, 8)
@@ -244,22 +245,15 @@ class QuantizedKV:
         st.update(self.extra_state())
         return st
 
-    @property
-    def state(self):
-        self._state_read = True  # mlx-lm reads it after each prefill chunk
-        return self.arrays()
-
-    @state.setter
+    @VeloxCache.state.setter
     def state(self, st):
         st = dict(st or {})
         self.store = QuantizedStore.from_state(st, self.options.kv_group)
         for k in [k for k in st if k == "q.bits" or k[:1] + k[2:3] == "q."]:
             st.pop(k)
         self.window_q = st.pop("window_q", None)
-        self.keys, self.values = st.pop("keys", None), st.pop("values", None)
-        self.positions = st.pop("positions", None)
-        self.rows = 0 if self.keys is None else self.quantized + self.keys.shape[2]
-        self.load_extra_state(st)
+        VeloxCache.state.fset(self, st)  # the residual, positions, the algorithm's
+        self.rows += self.quantized
 
     def clone(self):
         new = super().clone()

@@ -10,8 +10,7 @@ from __future__ import annotations
 import statistics
 
 from ..errors import OptionError
-from .arms import expand
-from .metrics import Arm, evaluate_continuation
+from .metrics import evaluate_continuation
 from .passkey import make_cases
 from .runner import run_case, summarize
 from .text import prose_length, prose_tokens
@@ -25,11 +24,6 @@ def parse_tasks(text: str) -> list[str]:
     if unknown or not tasks:
         raise OptionError(f"unknown task(s) {unknown}; valid: {', '.join(TASKS)}")
     return tasks
-
-
-def expand_arms(texts, budgets=()) -> list[Arm]:
-    """Parse arms; arms that take a budget and name none get each of `budgets`."""
-    return expand(texts, budgets)
 
 
 def passkey(model, tokenizer, arms, *, context, cases, seed, text, step, tick):
