@@ -76,6 +76,21 @@ def project_qk_norm(attn, x: mx.array):
 
 
 @dataclass(frozen=True)
+class ModelDims:
+    """What algorithms may know of a model (through `Options.bind`), per layer."""
+
+    heads: tuple[int, ...]  # query heads
+    kv_heads: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    ropes: tuple[Any, ...]  # each layer's rope module (A2ATS checks it)
+    sliding: tuple[bool, ...]  # these layers keep mlx-lm's own cache
+
+    @property
+    def layers(self) -> int:
+        return len(self.heads)
+
+
+@dataclass(frozen=True)
 class LayerSite:
     """One transformer block's attention, as the patcher sees it."""
 
@@ -111,6 +126,18 @@ class Adapter:
                 )
             sites.append(LayerSite(i, attn, target, _is_sliding(model, i, layer)))
         return sites
+
+    def dims(self, model) -> ModelDims:
+        attn = [layer.self_attn for layer in model.layers]
+        return ModelDims(
+            heads=tuple(int(a.n_heads) for a in attn),
+            kv_heads=tuple(int(a.n_kv_heads) for a in attn),
+            head_dims=tuple(head_dim(a) for a in attn),
+            ropes=tuple(a.rope for a in attn),
+            sliding=tuple(
+                _is_sliding(model, i, la) for i, la in enumerate(model.layers)
+            ),
+        )
 
 
 def _is_sliding(model, index: int, layer) -> bool:

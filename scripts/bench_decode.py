@@ -30,7 +30,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 import veloxpatch  # noqa: E402
-from veloxpatch.api import algorithm  # noqa: E402
+from veloxpatch.api import make_options  # noqa: E402
 from veloxpatch.eval.arms import expand, split_arms  # noqa: E402
 from veloxpatch.eval.replay import capture_prefill  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
@@ -84,7 +84,7 @@ def main():
     arms = {}
     for arm in expand(["full"] + split_arms(args.arms), [args.budget]):
         # bound to the model: calibration files (filters, codebooks) are loaded
-        bound = algorithm(arm.algo).Options.create(arm.algo, arm.options).bind(model)
+        _, bound = make_options(arm.algo, arm.options, model)
         arms[arm.label] = captured.caches(arm.algo, arm.options, chunks, bound=bound)
     arms = {"unpatched": [as_mlx_kvcache(c) for c in arms["full"]], **arms}
 

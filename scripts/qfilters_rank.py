@@ -32,25 +32,12 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import veloxpatch  # noqa: E402
-from veloxpatch.caches.full import FullCache  # noqa: E402
-from veloxpatch.calibration import load_filters  # noqa: E402
+from veloxpatch.calibration_files import load_filters  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.text import prose_length, prose_tokens  # noqa: E402
+from veloxpatch.probe import run_probe  # noqa: E402
 
 SINKS = 4
-
-
-class Recorder(FullCache):
-    """A full cache that keeps the post-RoPE queries of every call."""
-
-    name = "recorder"
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.q = []
-
-    def after_attend(self, q, new_rows):
-        self.q.append(q)
 
 
 def ranks(x: np.ndarray) -> np.ndarray:
@@ -65,9 +52,12 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def segment(model, ids, later, filters):
     """Per signal: Spearman per (layer, KV head) on one stretch of prose."""
-    with veloxpatch.patched(model, algo=Recorder) as patch:
-        caches = [Recorder(layer=i) for i in range(len(patch.sites))]
-        mx.eval(model(mx.array(ids)[None], cache=caches))
+    seen_by_layer = {}  # layer -> (post-RoPE keys, queries, scale)
+
+    def keep(seen):
+        seen_by_layer[seen.layer] = (seen.k[0], seen.q[0], seen.scale)
+
+    run_probe(model, ids, keep, chunk=len(ids))
     # the on-the-fly filters: what `qfilters` without a file derives at the
     # prompt end (budget above the length: nothing evicted, only the filter)
     with veloxpatch.patched(model, "qfilters", budget=len(ids) + 2) as patch:
@@ -76,14 +66,14 @@ def segment(model, ids, later, filters):
         patch.end_prompt(qf)
     T = len(ids)
     out = {"calibrated": [], "on_the_fly": [], "knorm": []}
-    for layer, rec in enumerate(caches):
-        keys = np.array(rec.keys[0, :, :T].astype(mx.float32))  # [Hkv, T, D]
-        q = np.array(mx.concatenate(rec.q, axis=2)[0].astype(mx.float32))  # [Hq, T, D]
+    for layer, (k, q, scale) in sorted(seen_by_layer.items()):
+        keys = np.array(k.astype(mx.float32))  # [Hkv, T, D]
+        q = np.array(q.astype(mx.float32))  # [Hq, T, D]
         hkv, hq = keys.shape[0], q.shape[0]
         g = hq // hkv
         qs = q[:, T - later :]  # the later queries [Hq, later, D]
         logits = np.einsum("hld,htd->hlt", qs, np.repeat(keys, g, axis=0))
-        logits *= rec.scale
+        logits *= scale
         qpos = np.arange(T - later, T)[:, None]
         logits = np.where(np.arange(T)[None, :] <= qpos, logits, -np.inf)
         p = np.exp(logits - logits.max(-1, keepdims=True))

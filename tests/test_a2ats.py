@@ -8,12 +8,8 @@ from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
 from veloxpatch.caches.a2ats import rope_at, rope_to, windowed_logits
-from veloxpatch.codebook import (
-    calibrate_codebook,
-    load_codebook,
-    save_codebook,
-    second_moment,
-)
+from veloxpatch.calibration_files import load_codebook, save_codebook
+from veloxpatch.codebook import calibrate_codebook, second_moment
 from veloxpatch.errors import CalibrationError, OptionError, UnsupportedModelError
 
 
@@ -248,3 +244,13 @@ def test_codebook_options_must_be_bound_to_a_model(book_file):
             rope=nn.RoPE(16),
             scale=0.25,
         )
+
+
+def test_codebook_on_a_model_with_sliding_window_layers(tmp_path):
+    model = tiny_model("mistral_swa")
+    ids = prompt_tokens(96, seed=4).tolist()
+    books, captured = calibrate_codebook(model, ids, size=8, far_position=64)
+    assert [b is None for b in books] == [True, False, True]
+    save_codebook(tmp_path / "swa.safetensors", books, model, 64)
+    loaded = load_codebook(tmp_path / "swa.safetensors", model, 64)
+    assert loaded[0] is None and loaded[1]["centroids"].shape[:2] == (2, 8)

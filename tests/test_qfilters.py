@@ -11,14 +11,9 @@ from oracle import check_oracle
 from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
-from veloxpatch.calibration import (
-    capture_queries,
-    fingerprint,
-    group_mean,
-    load_filters,
-    query_filters,
-    save_filters,
-)
+from veloxpatch.caches.qfilters import group_mean
+from veloxpatch.calibration import capture_queries, query_filters
+from veloxpatch.calibration_files import fingerprint, load_filters, save_filters
 from veloxpatch.errors import CalibrationError, OptionError
 
 ARCHS = ["llama", "qwen3", "ministral3"]
@@ -154,3 +149,19 @@ def test_prompt_filters_are_the_prompt_queries_principal_direction():
         cos = cos / mx.linalg.norm(c.filter, axis=-1)
         assert (mx.abs(cos) > 0.999).all().item()
         assert c.rows == 16
+
+
+def test_calibrate_on_a_model_with_sliding_window_layers(tmp_path):
+    # Sliding-window layers keep mlx-lm's RotatingKVCache: the probe never sees
+    # them, the file holds only the other layers, and the filters load and run.
+    model = tiny_model("mistral_swa")
+    queries = capture_queries(model, prompt_tokens(48, seed=5).tolist(), chunk=16)
+    assert [q is None for q in queries] == [True, False, True]
+    per_head = [None if q is None else query_filters(q) for q in queries]
+    path = tmp_path / "swa.safetensors"
+    save_filters(path, per_head, model)
+    loaded = load_filters(path, model)
+    assert loaded[0] is None and loaded[2] is None and loaded[1].shape == (2, 16)
+    with veloxpatch.patched(model, "qfilters", budget=12, window=2, filters=str(path)):
+        out = model(prompt_tokens(30)[None])
+    assert bool(mx.isfinite(out).all().item())

@@ -67,7 +67,7 @@ def test_demo_answers_paris():
 def test_qfilters_file_fits_the_model_quantized_or_not(loaded, tmp_path):
     # The fingerprint hashes fp16 weight samples: the GGUF-quantized model and
     # its float32 dequantization are the same model for a filters file.
-    from veloxpatch.calibration import fingerprint, load_filters, save_filters
+    from veloxpatch.calibration_files import fingerprint, load_filters, save_filters
 
     model, _ = loaded
     quantized, _ = veloxpatch.load(quantized=True)

@@ -6,7 +6,8 @@ from conftest import smollm
 from helpers import greedy, max_abs
 
 import veloxpatch
-from veloxpatch.codebook import capture, layer_codebook, with_norms
+from veloxpatch.calibration_files import with_norms
+from veloxpatch.codebook import capture, layer_codebook
 from veloxpatch.eval.codebook_quality import capture_segment, codebook_quality
 from veloxpatch.eval.text import prose_tokens
 

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import patcher
 from .caches import ALGORITHMS, VeloxCache
+from .caches.phase import PromptPhase
 from .errors import OptionError, PatchStateError, UnsupportedModelError
 
 _MISSING = object()
@@ -35,6 +36,19 @@ def algorithm(name):
         raise OptionError(
             f"unknown algorithm {name!r}; available: {', '.join(ALGORITHMS)}"
         ) from None
+
+
+def make_options(algo, options: dict | None = None, model=None):
+    """(cache class, validated options) for `algo`; with `model`, also bound to it
+    (its dimensions checked, calibration files loaded). The one place options
+    are validated: apply, the CLI, eval and the benchmarks all come here."""
+    cls = algorithm(algo)
+    opts = cls.Options.create(cls.name, dict(options or {}))
+    if model is not None:
+        from model_adapters import adapter_for
+
+        opts = opts.bind(model, adapter_for(model).dims(model))
+    return cls, opts
 
 
 def patch_of(model) -> Patch | None:
@@ -59,15 +73,21 @@ class Patch:
         self._last_caches: list = []
 
     # -- caches ------------------------------------------------------------------
-    def make_cache(self) -> list:
+    def make_cache(self, probe=None) -> list:
         """One cache per layer: the algorithm's cache on patched layers, mlx-lm's
-        own type (e.g. RotatingKVCache) on sliding-window layers."""
+        own type (e.g. RotatingKVCache) on sliding-window layers. The layers of
+        one prompt cache share one prompt phase. `probe`: fn(caches.base.Seen),
+        called with what every patched attention call sees."""
         base = self._original_caches()
-        n = len(self.sites)
-        caches = [
-            base[s.index] if s.sliding else self._make(self.options, s.index, n)
-            for s in self.sites
-        ]
+        n, phase = len(self.sites), PromptPhase()
+        caches = []
+        for s in self.sites:
+            if s.sliding:
+                caches.append(base[s.index])
+                continue
+            cache = self._make(self.options, s.index, n)
+            cache.phase, cache.probe = phase, probe
+            caches.append(cache)
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches
 
@@ -137,8 +157,7 @@ def apply(model, algo: str = "full", **options) -> Patch:
     from model_adapters import adapter_for
 
     adapter = adapter_for(model)
-    cache_cls = algorithm(algo)
-    opts = cache_cls.Options.create(cache_cls.name, options).bind(model)
+    cache_cls, opts = make_options(algo, options, model)
     if patch_of(model) is not None:
         raise PatchStateError(
             "model is already patched; call restore() (or veloxpatch.unpatch) first"

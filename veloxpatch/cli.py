@@ -67,7 +67,7 @@ def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, qua
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from .api import algorithm, apply
+    from .api import apply, make_options
     from .eval.arms import parse_pairs
     from .memory import full_kv_bytes, kv_bytes
     from .models import chat_prompt, load
@@ -75,7 +75,7 @@ def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, qua
     options = parse_pairs(algo_args)
     if budget is not None:
         options["budget"] = budget
-    algorithm(algo).Options.create(algo, options)  # fail before the slow load
+    make_options(algo, options)  # fail before the slow load
     if prompt is None:
         prompt = sys.stdin.read()
     if not prompt.strip():

@@ -21,14 +21,13 @@ def _ints(text: str) -> list[int]:
 
 def _check_arms(arms):
     """Validate every arm before anything runs; return (runnable, skipped)."""
-    from .api import algorithm
+    from .api import make_options
     from .eval.sessions import is_peer
 
     runnable, skipped = [], []
     for arm in arms:
         if not is_peer(arm.algo):
-            cls = algorithm(arm.algo)  # unknown names raise here
-            cls.Options.create(arm.algo, dict(arm.options))
+            make_options(arm.algo, arm.options)  # unknown names raise here
             runnable.append(arm)
             continue
         from .eval import peers

@@ -90,6 +90,8 @@ def register(sites) -> list[int]:
             cp = _wrap_class(cls, site.target)
 
             def _gone(_ref, key=key, cls=cls):
+                if _INSTANCES is None:  # module globals already torn down at exit
+                    return
                 _INSTANCES.pop(key, None)
                 _release(cls, key)
 

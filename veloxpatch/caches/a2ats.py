@@ -25,8 +25,8 @@ import math
 import mlx.core as mx
 
 from ..errors import OptionError, UnsupportedModelError
-from .base import CacheOptions, VeloxCache
-from .eviction import _check_int, _check_number
+from .base import VeloxCache
+from .options import CacheOptions, check_choice, check_int, check_number, check_path
 
 
 def rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
@@ -88,28 +88,25 @@ class A2ATSOptions(CacheOptions):
     attention: str = "exact"
 
     def __post_init__(self):
-        _check_int("window", self.window, 1)
-        _check_int("far_position", self.far_position, 0)
-        _check_int("sinks", self.sinks, 0)
-        _check_number("top", self.top, 0, 1, lo_open=True)
-        if self.attention not in ("exact", "windowed"):
-            raise OptionError(
-                f"attention must be 'exact' or 'windowed', got {self.attention!r}"
-            )
-        if self.codebook is not None and not isinstance(self.codebook, str):
-            raise OptionError(f"codebook must be a file path, got {self.codebook!r}")
+        super().__post_init__()
+        check_int("window", self.window, 1)
+        check_int("far_position", self.far_position, 0)
+        check_int("sinks", self.sinks, 0)
+        check_number("top", self.top, 0, 1, lo_open=True)
+        check_choice("attention", self.attention, ("exact", "windowed"))
+        if self.codebook is not None:
+            check_path("codebook", self.codebook)
         self.loaded = None  # per layer codebook, once bound to a model
 
-    def bind(self, model):
-        from model_adapters.base import head_dim
-
-        for layer in model.layers:
-            check_pure_rotation(layer.self_attn.rope, head_dim(layer.self_attn))
+    def bind(self, model, dims):
+        for rope, d, sliding in zip(dims.ropes, dims.head_dims, dims.sliding):
+            if not sliding:
+                check_pure_rotation(rope, d)
         if self.codebook is not None:
-            from ..codebook import load_codebook
+            from ..calibration_files import load_codebook
 
-            self.loaded = load_codebook(self.codebook, model, self.far_position)
-        return self
+            self.loaded = load_codebook(self.codebook, model, self.far_position, dims)
+        return super().bind(model, dims)
 
 
 def assign(keys: mx.array, book: dict) -> mx.array:
@@ -257,10 +254,8 @@ class A2ATSCache(VeloxCache):
     def side_arrays(self):
         return super().side_arrays() + ([] if self.codes is None else [self.codes])
 
-    @property
-    def nbytes(self):
-        codes = 0 if self.codes is None else self.codes.nbytes
-        return super().nbytes + codes
+    def held_arrays(self):
+        return super().held_arrays() + ([] if self.codes is None else [self.codes])
 
     def extra_state(self):
         # the codebook travels with the codes, so a loaded cache needs no model
@@ -272,11 +267,8 @@ class A2ATSCache(VeloxCache):
         book = {k[5:]: v for k, v in st.items() if k.startswith("book.")}
         self.book = book or self.book
 
-    @property
-    def meta_state(self):
-        return {**super().meta_state, "decoding": self.decoding}
+    def extra_meta(self):
+        return {"decoding": self.decoding}
 
-    @meta_state.setter
-    def meta_state(self, m):
-        VeloxCache.meta_state.fset(self, m)
+    def load_extra_meta(self, m):
         self.decoding = bool(m.get("decoding", False))

@@ -14,7 +14,7 @@ import dataclasses
 import mlx.core as mx
 
 from .base import PAD_POSITION
-from .eviction import _check_number
+from .options import check_number
 from .snapkv import SnapKVCache, SnapKVOptions
 
 
@@ -25,7 +25,7 @@ class AdaKVOptions(SnapKVOptions):
     alpha: float = 0.2
 
     def __post_init__(self):
-        _check_number("alpha", self.alpha, 0, 1)
+        check_number("alpha", self.alpha, 0, 1)
         super().__post_init__()
 
 

@@ -2,9 +2,9 @@
 
 A cache receives pre-RoPE q/k/v from the patched forward together with the
 layer's rope, softmax scale and any query scale, and returns the attention output.
-Storage is per KV head: keys/values [B, Hkv, T, D] in a step-grown buffer and,
-once anything has been evicted, the absolute position of every row [B, Hkv, T].
-`offset` is always the number of tokens seen (what RoPE reads), never the row count.
+Storage is per KV head (`storage.RowStorage`). `offset` is always the number of
+tokens seen (what RoPE reads), never the row count. Where the sequence is
+(prefill, prompt end, decode) is one `PromptPhase` shared by all layers.
 
 Algorithms override a few named hooks (see `VeloxCache`); they never touch mlx-lm.
 """
@@ -12,70 +12,55 @@ Algorithms override a few named hooks (see `VeloxCache`); they never touch mlx-l
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from ..errors import OptionError, PatchStateError, UnsupportedCacheOperation
+from ..errors import PatchStateError, UnsupportedCacheOperation
+from .options import CacheOptions
+from .phase import PromptPhase
+from .storage import PAD_POSITION, RowStorage
 
-# Position given to padding rows (heads that keep fewer rows than the buffer
-# holds): larger than any query position, so the causal mask hides it.
-PAD_POSITION = 2**31 - 1
-
-
-@dataclasses.dataclass
-class CacheOptions:
-    """Options shared by every algorithm. Subclasses add fields and validate them
-    in `__post_init__` (call super)."""
-
-    def __post_init__(self):
-        pass
-
-    @classmethod
-    def create(cls, algo: str, options: dict[str, Any]) -> CacheOptions:
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(names))
-        if unknown:
-            valid = ", ".join(names) if names else "(none)"
-            raise OptionError(
-                f"unknown option(s) {', '.join(unknown)} for {algo!r}; valid: {valid}"
-            )
-        try:
-            return cls(**options)
-        except (TypeError, ValueError) as e:
-            if isinstance(e, OptionError):
-                raise
-            raise OptionError(f"{algo}: {e}") from None
-
-    def bind(self, model) -> CacheOptions:
-        """Checks and loads what depends on the model (calibration files),
-        before anything is patched."""
-        return self
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+__all__ = ["PAD_POSITION", "CacheOptions", "Seen", "VeloxCache"]
 
 
-class VeloxCache(_BaseCache):
+@dataclass(frozen=True)
+class Seen:
+    """What one attention call hands a layer's cache (given to a probe)."""
+
+    layer: int
+    offset: int  # position of the call's first token
+    q_pre: mx.array  # [B, Hq, L, D] before RoPE (after Qwen3's q_norm)
+    k_pre: mx.array  # [B, Hkv, L, D]
+    v: mx.array
+    q: mx.array  # as attention gets it: rotated, times any query scale
+    k: mx.array  # as stored (rotated; A2ATS stores it pre-RoPE)
+    rope: Any
+    scale: float
+    query_scale: Any  # None, or Ministral 3's per-position attn_scale
+
+
+class VeloxCache(RowStorage, _BaseCache):
     """Dense attention with per-head storage; the parity path of `full`.
 
-    Hooks for algorithms:
+    Hooks for algorithms (each optional):
       - `rotate(q, k, rope, offset, query_scale)`: RoPE (A2ATS keeps keys unrotated);
       - `attention(q, keys, values, mask, scale)`: how to attend (default: fused SDPA);
-      - `after_attend(q, new_rows)`: called after every call, evict here;
-      - `end_prompt()`: the prompt is over: when the call after mlx-lm's lone
-        last prompt token arrives (see `_resolve_prompt_end`), or on
-        `Patch.end_prompt()`.
+      - `after_attend(q, new_rows)`: after every call; evict here;
+      - `end_prompt()`: the prompt is over (see `phase.py`), before the next call;
+      - `side_arrays()`: arrays to evaluate with every step's logits;
+      - `extra_state()` / `load_extra_state(st)`: the algorithm's own arrays;
+      - `extra_meta()` / `load_extra_meta(m)`: the algorithm's own scalars;
+      - `held_arrays()`: what `nbytes` counts (storage adds its own).
     """
 
     name: ClassVar[str] = "base"
     summary: ClassVar[str] = ""  # one line for `veloxpatch list`
     note: ClassVar[str] = ""  # a trade-off worth knowing, printed under it
     Options: ClassVar[type[CacheOptions]] = CacheOptions
-    step: ClassVar[int] = 256
 
     def __init__(
         self, options: CacheOptions | None = None, layer: int = 0, num_layers: int = 1
@@ -83,62 +68,53 @@ class VeloxCache(_BaseCache):
         self.options = options if options is not None else self.Options()
         self.layer = layer
         self.num_layers = num_layers
-        self.keys = None  # [B, Hkv, capacity, D]
-        self.values = None
-        self.positions = None  # None while dense: row t holds position t
-        self.rows = 0  # rows in use (the same for every head; short heads pad)
-        self.padded = False  # some heads hold padding rows (PAD_POSITION)
+        self._init_storage()
         self.offset = 0  # tokens seen = absolute position of the next token
-        self._in_prompt = False  # the last calls were prompt chunks
-        # A lone token may have ended the prompt: 1 right after multi-token calls
-        # (it may be mlx-lm's lone prefill chunk), 2 after a lone chunk (it did).
-        self._end_pending = 0
-        self._last_multi = False  # the previous call had several tokens
-        self._state_read = False  # `state` was read since the last call
+        self.phase = PromptPhase()  # make_cache shares one across the layers
+        self.phase_ends = 0  # prompt ends this cache has acted on
         self.scale = None  # the softmax scale of the layer, known after a call
+        self.probe = None  # fn(Seen), called on every attention call
 
     # ---- the patched forward calls this -------------------------------------
     def attend(self, q, k, v, *, rope, scale, query_scale=None):
         L = q.shape[2]
         if L > 1 and self.rows and k.shape[0] != self.keys.shape[0]:
             raise PatchStateError("batch size changed while the cache holds tokens")
-        self._resolve_prompt_end(L)
         offset = self.offset
-        q, k = self.rotate(q, k, rope, offset, query_scale)
-        keys, values = self._append(k, v, offset)
+        self.phase.begin_call(self.layer, offset, L)
         self.scale = scale
+        self.sync_phase()
+        q_pre, k_pre = q, k
+        q, k = self.rotate(q, k, rope, offset, query_scale)
+        if self.probe is not None:
+            seen = Seen(
+                self.layer, offset, q_pre, k_pre, v, q, k, rope, scale, query_scale
+            )
+            self.probe(seen)
+        keys, values = self._append(k, v, offset)
         out = self.attention(q, keys, values, self._mask(L, offset, q.shape[1]), scale)
         self.offset = offset + L
         self.after_attend(q, L)
         side = self.side_arrays()
         if side:  # evaluated with the logits, so lazy graphs never pile up
             out = mx.depends(out, side)
-        if L == 1 and self._in_prompt:
-            self._end_pending = 1 if self._last_multi else 2
-        self._in_prompt = L > 1 or bool(self._end_pending)
-        self._last_multi = L > 1
-        self._state_read = False
         return out
 
-    def _resolve_prompt_end(self, L: int) -> None:
-        """mlx-lm sends the last prompt token alone, but may also send a lone token
-        just before it (when len(prompt) - 1 = 1 mod prefill_step_size). It reads
-        `state` after every prefill chunk and never during decode, so a lone call
-        right after multi-token calls and followed by a `state` read was a chunk;
-        any other lone call in a prompt ended it, and `end_prompt` runs now,
-        before the next call attends."""
-        if self._end_pending == 1 and self._state_read:
-            pass  # mlx-lm's lone prefill chunk: the prompt goes on
-        elif self._end_pending:
-            self._in_prompt = False
-            self.end_prompt()
-        self._end_pending = 0
+    @property
+    def in_prompt(self) -> bool:
+        return self.phase.in_prompt
+
+    def sync_phase(self) -> None:
+        """Run `end_prompt` if the phase has ended a prompt this cache has not."""
+        if self.phase_ends < self.phase.ends:
+            self.phase_ends = self.phase.ends
+            if self.keys is not None:
+                self.end_prompt()
 
     def close_prompt(self) -> None:
         """The caller says the prompt is over (`Patch.end_prompt()`)."""
-        if self._in_prompt or self._end_pending:
-            self._in_prompt, self._end_pending = False, 0
-            self.end_prompt()
+        self.phase.end()
+        self.sync_phase()
 
     # ---- hooks ----------------------------------------------------------------
     def rotate(self, q, k, rope, offset: int, query_scale):
@@ -163,80 +139,29 @@ class VeloxCache(_BaseCache):
         every step (positions, query buffers, accumulators)."""
         return [] if self.positions is None else [self.positions]
 
-    # ---- storage --------------------------------------------------------------
-    def _append(self, k, v, offset):
-        prev, L = self.rows, k.shape[2]
-        if self.keys is None or prev + L > self.keys.shape[2]:
-            self._grow(k, v, prev + L)
-        self.keys[..., prev : prev + L, :] = k
-        self.values[..., prev : prev + L, :] = v
-        if self.positions is not None:
-            B, H = k.shape[:2]
-            new = mx.broadcast_to(
-                mx.arange(offset, offset + L, dtype=mx.int32), (B, H, L)
-            )
-            self.positions[..., prev : prev + L] = new
-        self.rows = prev + L
-        return self._view()
+    def extra_state(self) -> dict:
+        """Side arrays of an algorithm (accumulators, query buffers)."""
+        return {}
 
-    def _capacity(self, needed: int) -> int:
-        """Rows to allocate when `needed` no longer fit (mlx-lm's step growth)."""
-        return (needed + self.step - 1) // self.step * self.step
+    def load_extra_state(self, st: dict) -> None:
+        pass
 
-    def _grow(self, k, v, needed):
-        B, H, _, Dk = k.shape
-        cap = self._capacity(needed)
-        if self.keys is None:
-            self.keys = mx.zeros((B, H, cap, Dk), k.dtype)
-            self.values = mx.zeros((B, H, cap, v.shape[3]), v.dtype)
-            return
-        extra = cap - self.keys.shape[2]
-        k_pad = mx.zeros((B, H, extra, Dk), self.keys.dtype)
-        v_pad = mx.zeros((B, H, extra, self.values.shape[3]), self.values.dtype)
-        self.keys = mx.concatenate([self.keys, k_pad], axis=2)
-        self.values = mx.concatenate([self.values, v_pad], axis=2)
-        if self.positions is not None:
-            p_pad = mx.full((B, H, extra), PAD_POSITION, mx.int32)
-            self.positions = mx.concatenate([self.positions, p_pad], axis=2)
+    def extra_meta(self) -> dict:
+        """Scalars of an algorithm (counters, flags), JSON-serialisable."""
+        return {}
 
-    def _view(self):
-        if self.rows == self.keys.shape[2]:
-            return self.keys, self.values
-        return self.keys[..., : self.rows, :], self.values[..., : self.rows, :]
-
-    def _mask(self, L: int, offset: int, n_q_heads: int):
-        """mlx-lm's own choice ("causal" or none) unless heads are padded; then
-        causal on the true positions, per KV head, expanded to the query heads."""
-        if not self.padded:
-            # Rows are in position order and all in the past of the new ones, so
-            # the fused causal mask is exact, before and after eviction.
-            return "causal" if L > 1 else None
-        pos = self.positions[..., : self.rows]  # [B, Hkv, T]
-        qpos = mx.arange(offset, offset + L, dtype=mx.int32)
-        mask = pos[:, :, None, :] <= qpos[None, None, :, None]  # [B, Hkv, L, T]
-        n_rep = n_q_heads // pos.shape[1]
-        return mx.repeat(mask, n_rep, axis=1) if n_rep > 1 else mask
-
-    def positions_view(self) -> mx.array:
-        """Absolute position of every stored row, [B, Hkv, T] int32."""
-        if self.positions is not None:
-            return self.positions[..., : self.rows]
-        B, H = self.keys.shape[:2]
-        # Nothing evicted yet: row t holds the token at position t.
-        return mx.broadcast_to(mx.arange(self.rows, dtype=mx.int32), (B, H, self.rows))
+    def load_extra_meta(self, m: dict) -> None:
+        pass
 
     def clone(self) -> VeloxCache:
         """An independent copy: new array objects (storage is updated in place
-        by slice assignment), the same options object."""
+        by slice assignment), its own copy of the phase, the same options."""
         new = copy.copy(self)
         for name, value in vars(self).items():
             if isinstance(value, mx.array):
                 setattr(new, name, mx.array(value))
+        new.phase = self.phase.copy()
         return new
-
-    @property
-    def evicted(self) -> bool:
-        return self.positions is not None
 
     # ---- mlx-lm cache contract ------------------------------------------------
     def update_and_fetch(self, keys, values):
@@ -264,41 +189,26 @@ class VeloxCache(_BaseCache):
 
     @property
     def nbytes(self):
-        if self.keys is None:
-            return 0
-        total = self.keys.nbytes + self.values.nbytes
-        return total + (self.positions.nbytes if self.positions is not None else 0)
+        return sum(a.nbytes for a in self.held_arrays())
 
     @property
     def state(self):
         """Every array the cache holds, by name (what `save_cache` writes)."""
-        self._state_read = True  # mlx-lm reads it after each prefill chunk
+        # mlx-lm evaluates `state` after each prefill chunk, never while decoding:
+        # the one signal that tells its lone last chunk from the last token.
+        self.phase.chunk_evaluated()
         return self.arrays()
-
-    def arrays(self) -> dict:
-        if self.keys is None:
-            return {}
-        k, v = self._view()
-        st = {"keys": k, "values": v}
-        if self.positions is not None:
-            st["positions"] = self.positions[..., : self.rows]
-        st.update(self.extra_state())
-        return st
 
     @state.setter
     def state(self, st):
         st = dict(st or {})
-        self.keys, self.values = st.pop("keys", None), st.pop("values", None)
-        self.positions = st.pop("positions", None)
-        self.rows = 0 if self.keys is None else self.keys.shape[2]
+        self.load_storage(st)
         self.load_extra_state(st)
 
-    def extra_state(self) -> dict:
-        """Side arrays of an algorithm (accumulators, query buffers)."""
-        return {}
-
-    def load_extra_state(self, st: dict) -> None:
-        pass
+    def arrays(self) -> dict:
+        if self.keys is None:
+            return {}
+        return {**self.storage_arrays(), **self.extra_state()}
 
     @property
     def meta_state(self):
@@ -308,10 +218,10 @@ class VeloxCache(_BaseCache):
             "offset": self.offset,
             "layer": self.layer,
             "num_layers": self.num_layers,
-            "in_prompt": self._in_prompt,
-            "end_pending": self._end_pending,
-            "last_multi": self._last_multi,
             "padded": self.padded,
+            "phase_seen": self.phase_ends,
+            **self.phase.as_meta(),
+            **self.extra_meta(),
         }
 
     @meta_state.setter
@@ -320,10 +230,10 @@ class VeloxCache(_BaseCache):
         self.offset = int(m["offset"])
         self.layer = int(m["layer"])
         self.num_layers = int(m["num_layers"])
-        self._in_prompt = bool(m["in_prompt"])
-        self._end_pending = int(m["end_pending"])
-        self._last_multi = bool(m["last_multi"])
         self.padded = bool(m["padded"])
+        self.phase = PromptPhase.from_meta(m)
+        self.phase_ends = int(m["phase_seen"])
+        self.load_extra_meta(m)
 
     @classmethod
     def for_options(cls, options: CacheOptions) -> type[VeloxCache]:

@@ -20,24 +20,8 @@ import dataclasses
 import mlx.core as mx
 
 from ..errors import OptionError
-from .base import PAD_POSITION, CacheOptions, VeloxCache
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise OptionError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise OptionError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _check_number(
-    name: str, value, lo: float, hi: float = float("inf"), lo_open: bool = False
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OptionError(f"{name} must be a number, got {value!r}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        bracket = "(" if lo_open else "["
-        raise OptionError(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
+from .base import PAD_POSITION, VeloxCache
+from .options import CacheOptions, check_int
 
 
 @dataclasses.dataclass
@@ -55,39 +39,40 @@ class EvictionOptions(CacheOptions):
     kv_residual: int = 128
     target_bits: float | None = None
 
+    def recent_rows(self) -> int:
+        """Newest rows never evicted (subclasses: their window or `recent`)."""
+        return 0
+
     def protected(self) -> int:
-        """Rows that are never evicted besides the scored ones."""
-        return self.sinks
+        """Rows never evicted: the sinks and the recent rows."""
+        return self.sinks + self.recent_rows()
 
     def __post_init__(self):
         super().__post_init__()
-        if self.kv_bits is not None:
-            from .kv_bits import check_quant
+        from .kv_bits import check_quant
 
-            check_quant(
-                self.kv_bits, self.kv_group, self.kv_residual, self.target_bits, "kv_"
-            )
-        elif self.target_bits is not None:
-            raise OptionError("target_bits needs kv_bits='adaptive'")
-        _check_int("sinks", self.sinks, 0)
-        _check_int("budget", self.budget, 1)
+        # kv_group and kv_residual are checked even while kv_bits is unset.
+        check_quant(
+            self.kv_bits, self.kv_group, self.kv_residual, self.target_bits, "kv_"
+        )
+        check_int("sinks", self.sinks, 0)
+        check_int("budget", self.budget, 1)
         if self.budget <= self.protected():
             raise OptionError(
                 f"budget ({self.budget}) must exceed the protected rows "
                 f"({self.protected()}: sinks and recent window)"
             )
 
-    def bind(self, model):
+    def bind(self, model, dims):
         if self.kv_bits is not None:
             from .kv_bits import check_group_divides
 
-            check_group_divides(model, self.kv_group, "kv_")
-        return super().bind(model)
+            check_group_divides(dims, self.kv_group, "kv_")
+        return super().bind(model, dims)
 
 
 class EvictingCache(VeloxCache):
     Options = EvictionOptions
-    recent: int = 0  # rows at the end protected from eviction (subclasses set)
 
     @classmethod
     def for_options(cls, options):
@@ -122,8 +107,9 @@ class EvictingCache(VeloxCache):
     def protected_mask(self, pos: mx.array) -> mx.array:
         """Rows never evicted: the sinks and the `recent` newest rows."""
         keep = pos < self.options.sinks
-        if self.recent:
-            keep = keep | ((pos >= self.offset - self.recent) & (pos != PAD_POSITION))
+        recent = self.options.recent_rows()
+        if recent:
+            keep = keep | ((pos >= self.offset - recent) & (pos != PAD_POSITION))
         return keep
 
     def evict_to(self, n_keep: int, scores: mx.array, counts=None) -> None:

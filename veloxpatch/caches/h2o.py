@@ -13,7 +13,8 @@ import dataclasses
 import mlx.core as mx
 
 from .attention_probs import ProbabilityCache
-from .eviction import EvictionOptions, _check_int
+from .eviction import EvictionOptions
+from .options import check_int
 
 
 @dataclasses.dataclass
@@ -23,13 +24,15 @@ class H2OOptions(EvictionOptions):
     recent: int | None = None
 
     def __post_init__(self):
+        check_int("budget", self.budget, 1)
+        check_int("sinks", self.sinks, 0)
         if self.recent is None:
             self.recent = max(0, (self.budget - self.sinks) // 2)
-        _check_int("recent", self.recent, 0)
+        check_int("recent", self.recent, 0)
         super().__post_init__()
 
-    def protected(self):
-        return self.sinks + self.recent
+    def recent_rows(self):
+        return self.recent
 
 
 class H2OCache(ProbabilityCache):
@@ -40,10 +43,6 @@ class H2OCache(ProbabilityCache):
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)
         self.acc = None  # [B, Hkv, rows] accumulated attention, float32
-
-    @property
-    def recent(self):
-        return self.options.recent
 
     def weights(self, logits, probs):
         """What a query contributes to each key: its attention probability."""

@@ -13,8 +13,8 @@ import dataclasses
 
 import mlx.core as mx
 
-from .eviction import _check_int, _check_number
 from .h2o import H2OCache, H2OOptions
+from .options import check_int, check_number
 
 
 @dataclasses.dataclass
@@ -28,10 +28,10 @@ class KeyformerOptions(H2OOptions):
     seed: int = 0
 
     def __post_init__(self):
-        _check_number("tau_init", self.tau_init, 0, lo_open=True)
-        _check_number("tau_end", self.tau_end, 0, lo_open=True)
-        _check_int("tau_steps", self.tau_steps, 1)
-        _check_int("seed", self.seed, 0)
+        check_number("tau_init", self.tau_init, 0, lo_open=True)
+        check_number("tau_end", self.tau_end, 0, lo_open=True)
+        check_int("tau_steps", self.tau_steps, 1)
+        check_int("seed", self.seed, 0)
         super().__post_init__()
 
 
@@ -60,13 +60,8 @@ class KeyformerCache(H2OCache):
         self.decode_steps += L == 1
         return mx.softmax((logits + noise) / tau, axis=-1)
 
-    @property
-    def meta_state(self):
-        m = super().meta_state
-        m.update(calls=self.calls, decode_steps=self.decode_steps)
-        return m
+    def extra_meta(self):
+        return {"calls": self.calls, "decode_steps": self.decode_steps}
 
-    @meta_state.setter
-    def meta_state(self, m):
-        H2OCache.meta_state.fset(self, m)
+    def load_extra_meta(self, m):
         self.calls, self.decode_steps = int(m["calls"]), int(m["decode_steps"])

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import CacheOptions, VeloxCache
+from .base import VeloxCache
 from .kv_bits import QuantizedKV, check_group_divides, check_quant
+from .options import CacheOptions
 
 
 @dataclasses.dataclass
@@ -33,11 +34,12 @@ class KIVIOptions(CacheOptions):
     target_bits: float | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         check_quant(self.bits, self.group, self.residual, self.target_bits)
 
-    def bind(self, model):
-        check_group_divides(model, self.group)
-        return self
+    def bind(self, model, dims):
+        check_group_divides(dims, self.group)
+        return super().bind(model, dims)
 
     # the names the quantized storage reads
     kv_bits = property(lambda self: self.bits)

@@ -8,7 +8,8 @@ import dataclasses
 
 import mlx.core as mx
 
-from .eviction import EvictingCache, EvictionOptions, _check_int
+from .eviction import EvictingCache, EvictionOptions
+from .options import check_int
 
 
 @dataclasses.dataclass
@@ -17,11 +18,11 @@ class KNormOptions(EvictionOptions):
 
     recent: int = 0
 
-    def protected(self):
-        return self.sinks + self.recent
+    def recent_rows(self):
+        return self.recent
 
     def __post_init__(self):
-        _check_int("recent", self.recent, 0)
+        check_int("recent", self.recent, 0)
         super().__post_init__()
 
 
@@ -29,10 +30,6 @@ class KNormCache(EvictingCache):
     name = "knorm"
     summary = "lowest key L2 norm per KV head, sinks protected (no queries needed)"
     Options = KNormOptions
-
-    @property
-    def recent(self):
-        return self.options.recent
 
     def scores(self, q):
         keys, _ = self._view()

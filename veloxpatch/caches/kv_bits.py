@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from ..errors import OptionError
 from .attention_probs import query_probs
-from .base import VeloxCache
+from .options import check_choice, check_int
 from .quantized import QuantizedStore
 
 BITS = (2, 3, 4, 8)
@@ -33,15 +33,16 @@ ENTROPY_WINDOW = 32  # last prompt queries whose attention sets adaptive widths
 
 
 def check_quant(bits, group, residual, target_bits, prefix: str = "") -> None:
-    """Validate quantization options (`prefix`: "kv_" on eviction algorithms)."""
-    if bits != "adaptive" and (isinstance(bits, bool) or bits not in BITS):
+    """Validate quantization options (`prefix`: "kv_" on eviction algorithms,
+    where bits may be None: no quantization)."""
+    if bits is None and prefix:
+        pass
+    elif bits != "adaptive" and (isinstance(bits, bool) or bits not in BITS):
         raise OptionError(
             f"{prefix}bits must be one of {BITS} or 'adaptive', got {bits!r}"
         )
-    if group not in GROUPS or isinstance(group, bool):
-        raise OptionError(f"{prefix}group must be one of {GROUPS}, got {group!r}")
-    if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
-        raise OptionError(f"{prefix}residual must be an integer >= 0, got {residual!r}")
+    check_choice(f"{prefix}group", group, GROUPS)
+    check_int(f"{prefix}residual", residual, 0)
     if bits == "adaptive":
         lo, hi = ADAPTIVE_WIDTHS[0], ADAPTIVE_WIDTHS[-1]
         ok = isinstance(target_bits, (int, float)) and not isinstance(target_bits, bool)
@@ -54,13 +55,11 @@ def check_quant(bits, group, residual, target_bits, prefix: str = "") -> None:
         raise OptionError(f"target_bits needs {prefix}bits='adaptive'")
 
 
-def check_group_divides(model, group: int, prefix: str = "") -> None:
-    from model_adapters.base import head_dim
-
-    dims = {head_dim(layer.self_attn) for layer in model.layers}
-    if any(d % group for d in dims):
+def check_group_divides(dims, group: int, prefix: str = "") -> None:
+    widths = set(dims.head_dims)
+    if any(d % group for d in widths):
         raise OptionError(
-            f"{prefix}group ({group}) must divide the head dim {sorted(dims)}: "
+            f"{prefix}group ({group}) must divide the head dim {sorted(widths)}: "
             "values are quantized per token in groups of channels"
         )
 
@@ -224,35 +223,26 @@ class QuantizedKV:
         return side + ([] if self.window_q is None else [self.window_q])
 
     # ---- contract -----------------------------------------------------------------
-    @property
-    def nbytes(self):
-        if self.keys is None:
-            return 0
-        total = self.keys.nbytes + self.values.nbytes
-        total += 0 if self.store is None else self.store.nbytes
-        return total + (0 if self.positions is None else self.positions.nbytes)
+    def held_arrays(self):
+        store = [] if self.store is None else self.store.arrays()
+        return super().held_arrays() + store
 
-    def arrays(self) -> dict:
-        if self.keys is None:
-            return {}
-        st = {"keys": self.keys, "values": self.values}
+    def storage_arrays(self) -> dict:
+        st = {"keys": self.keys, "values": self.values}  # the residual
         if self.positions is not None:
             st["positions"] = self.positions
         if self.store is not None:
             st.update(self.store.state())
         if self.window_q is not None:
             st["window_q"] = self.window_q
-        st.update(self.extra_state())
         return st
 
-    @VeloxCache.state.setter
-    def state(self, st):
-        st = dict(st or {})
+    def load_storage(self, st):
         self.store = QuantizedStore.from_state(st, self.options.kv_group)
         for k in [k for k in st if k == "q.bits" or k[:1] + k[2:3] == "q."]:
             st.pop(k)
         self.window_q = st.pop("window_q", None)
-        VeloxCache.state.fset(self, st)  # the residual, positions, the algorithm's
+        super().load_storage(st)
         self.rows += self.quantized
 
     def clone(self):

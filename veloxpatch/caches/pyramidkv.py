@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .eviction import _check_number
+from .options import check_number
 from .snapkv import SnapKVCache, SnapKVOptions
 
 
@@ -22,7 +22,7 @@ class PyramidKVOptions(SnapKVOptions):
     beta: float = 20.0
 
     def __post_init__(self):
-        _check_number("beta", self.beta, 1)
+        check_number("beta", self.beta, 1)
         super().__post_init__()
 
 
@@ -51,5 +51,5 @@ class PyramidKVCache(SnapKVCache):
 
     def row_budget(self) -> int:
         o = self.options
-        protected = o.window + o.lookahead
-        return pyramid_budgets(o.budget, protected, self.num_layers, o.beta)[self.layer]
+        budgets = pyramid_budgets(o.budget, o.recent_rows(), self.num_layers, o.beta)
+        return budgets[self.layer]

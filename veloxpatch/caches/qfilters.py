@@ -17,7 +17,14 @@ import dataclasses
 import mlx.core as mx
 
 from ..errors import OptionError
-from .eviction import EvictingCache, EvictionOptions, _check_int
+from .eviction import EvictingCache, EvictionOptions
+from .options import check_int, check_path
+
+
+def group_mean(filters: mx.array, kv_heads: int) -> mx.array:
+    """[Hq, D] -> [Hkv, D]: the mean over the query heads sharing a KV head."""
+    hq, d = filters.shape
+    return filters.reshape(kv_heads, hq // kv_heads, d).mean(axis=1)
 
 
 @dataclasses.dataclass
@@ -28,23 +35,23 @@ class QFiltersOptions(EvictionOptions):
     window: int = 64
     filters: str | None = None
 
-    def protected(self):
-        return self.sinks + self.window
+    def recent_rows(self):
+        return self.window
 
     def __post_init__(self):
-        _check_int("window", self.window, 0)
-        if self.filters is not None and not isinstance(self.filters, str):
-            raise OptionError(f"filters must be a file path, got {self.filters!r}")
+        check_int("window", self.window, 0)
+        if self.filters is not None:
+            check_path("filters", self.filters)
         super().__post_init__()
         self.loaded = None  # per layer [Hkv, D], once bound to a model
 
-    def bind(self, model):
+    def bind(self, model, dims):
         """Load and check the filters file against `model` (before patching)."""
         if self.filters is not None:
-            from ..calibration import load_filters
+            from ..calibration_files import load_filters
 
-            self.loaded = load_filters(self.filters, model)
-        return super().bind(model)
+            self.loaded = load_filters(self.filters, model, dims)
+        return super().bind(model, dims)
 
 
 class QFiltersCache(EvictingCache):
@@ -65,10 +72,6 @@ class QFiltersCache(EvictingCache):
         if self.options.loaded is not None:
             self.filter = self.options.loaded[layer]
 
-    @property
-    def recent(self):
-        return self.options.window
-
     def after_attend(self, q, new_rows):
         if self.options.filters is None:
             q = q[0].astype(mx.float32)  # [Hq, L, D]
@@ -87,8 +90,6 @@ class QFiltersCache(EvictingCache):
                 self.evict_to(self.row_budget(), self.scores(None))
 
     def _prompt_filter(self) -> mx.array:
-        from ..calibration import group_mean
-
         with mx.stream(mx.cpu):  # eigh runs on the CPU only
             _, vecs = mx.linalg.eigh(self.moment)
             v1 = vecs[..., -1]  # [Hq, D], the largest eigenvalue's

@@ -22,7 +22,9 @@ import dataclasses
 import mlx.core as mx
 
 from ..errors import OptionError
-from .eviction import EvictingCache, EvictionOptions, _check_int, _check_number
+from .attention_probs import query_probs
+from .eviction import EvictingCache, EvictionOptions
+from .options import check_choice, check_int, check_number
 
 
 @dataclasses.dataclass
@@ -39,19 +41,19 @@ class SnapKVOptions(EvictionOptions):
     lookahead: int = 0
     answer_weight: float = 1.0
 
-    def protected(self):
-        return self.sinks + self.window + self.lookahead
+    def recent_rows(self):
+        return self.window + self.lookahead
 
     def __post_init__(self):
-        _check_int("window", self.window, 1)
-        _check_int("kernel", self.kernel, 1)
-        _check_int("lookahead", self.lookahead, 0)
-        _check_number("answer_weight", self.answer_weight, 0)
+        check_int("budget", self.budget, 1)
+        check_int("window", self.window, 1)
+        check_int("kernel", self.kernel, 1)
+        check_int("lookahead", self.lookahead, 0)
+        check_number("answer_weight", self.answer_weight, 0)
         if self.kernel % 2 == 0:
             raise OptionError(f"kernel must be odd, got {self.kernel}")
-        if self.pool not in ("max", "avg"):
-            raise OptionError(f"pool must be 'max' or 'avg', got {self.pool!r}")
-        if isinstance(self.budget, int) and self.lookahead * 4 > self.budget:
+        check_choice("pool", self.pool, ("max", "avg"))
+        if self.lookahead * 4 > self.budget:
             # The k answer rows are kept on top of the window: a large k would
             # leave little of the budget to the scored prompt.
             raise OptionError(
@@ -79,21 +81,6 @@ def pool_positions(scores: mx.array, kernel: int, kind: str) -> mx.array:
     return sum(shifted[1:], shifted[0]) / kernel
 
 
-def window_attention(queries, qpos, keys, pos, scale) -> mx.array:
-    """Softmax attention of window queries [B, Hq, w, D] at positions qpos [w]
-    over stored keys [B, Hkv, T, D] at positions pos [B, Hkv, T], causal on the
-    true positions. Returns probabilities [B, Hkv, G, w, T] (G = Hq // Hkv)."""
-    B, Hq, w, D = queries.shape
-    Hkv, T = keys.shape[1], keys.shape[2]
-    G = Hq // Hkv
-    q = queries.astype(mx.float32).reshape(B, Hkv, G * w, D)
-    logits = (q @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale
-    qp = mx.tile(qpos, G)
-    visible = pos[:, :, None, :] <= qp[None, None, :, None]
-    logits = mx.where(visible, logits, -mx.inf)
-    return mx.softmax(logits, axis=-1).reshape(B, Hkv, G, w, T)
-
-
 class SnapKVCache(EvictingCache):
     name = "snapkv"
     summary = "top attention of the last w prompt queries, pooled; + the window"
@@ -111,10 +98,6 @@ class SnapKVCache(EvictingCache):
         self.prompt_end = None  # position of the first answer token
         self.lookahead_left = 0  # answer tokens still to come before compressing
 
-    @property
-    def recent(self):
-        return self.options.window + self.options.lookahead
-
     # ---- hooks ------------------------------------------------------------------
     def after_attend(self, q, new_rows):
         w = self.options.window
@@ -125,7 +108,7 @@ class SnapKVCache(EvictingCache):
             else mx.concatenate([self.window_queries, q], axis=2)
         )
         self.window_queries = buf[:, :, -n:] if buf.shape[2] > n else buf
-        if new_rows != 1 or self._in_prompt:
+        if new_rows != 1 or self.in_prompt:
             return
         if self.lookahead_left:
             self.lookahead_left -= 1
@@ -147,11 +130,9 @@ class SnapKVCache(EvictingCache):
 
     # ---- scoring -----------------------------------------------------------------
     def _limit(self) -> int:
-        return (
-            self.compressed_rows
-            if self.compressed_rows is not None
-            else (self.row_budget())
-        )
+        if self.compressed_rows is not None:
+            return self.compressed_rows
+        return self.row_budget()
 
     def row_bound(self) -> int:
         if self.lookahead_left:  # the whole prompt is held until the answer starts
@@ -162,10 +143,14 @@ class SnapKVCache(EvictingCache):
         """[B, Hkv, G, w, T] attention of the buffered queries over stored rows."""
         keys, _ = self._view()
         w = self.window_queries.shape[2]
-        qpos = mx.arange(self.offset - w, self.offset, dtype=mx.int32)
-        return window_attention(
-            self.window_queries, qpos, keys, self.positions_view(), self.scale
+        _, probs = query_probs(
+            self.window_queries,
+            keys,
+            self.positions_view(),
+            self.offset - w,
+            self.scale,
         )
+        return probs
 
     def query_weights(self, n: int) -> mx.array | None:
         """Weight of each of the last `n` buffered queries: `answer_weight` for
@@ -203,17 +188,14 @@ class SnapKVCache(EvictingCache):
     def load_extra_state(self, st):
         self.window_queries = st.get("window_queries")
 
-    @property
-    def meta_state(self):
-        m = super().meta_state
-        m["compressed_rows"] = self.compressed_rows
-        m["prompt_end"] = self.prompt_end
-        m["lookahead_left"] = self.lookahead_left
-        return m
+    def extra_meta(self):
+        return {
+            "compressed_rows": self.compressed_rows,
+            "prompt_end": self.prompt_end,
+            "lookahead_left": self.lookahead_left,
+        }
 
-    @meta_state.setter
-    def meta_state(self, m):
-        EvictingCache.meta_state.fset(self, m)
+    def load_extra_meta(self, m):
         self.compressed_rows = m.get("compressed_rows")
         self.prompt_end = m.get("prompt_end")
         self.lookahead_left = int(m.get("lookahead_left", 0))

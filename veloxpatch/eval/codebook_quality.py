@@ -18,54 +18,36 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .. import api
 from ..caches.a2ats import assign, rope_to
-from ..caches.full import FullCache
-
-
-class Capture(FullCache):
-    """Keeps pre-RoPE keys, and the queries of positions [lo, hi): exact
-    (rotated to their position) and rotated to b."""
-
-    name = "a2ats-eval-capture"
-
-    def __init__(self, *a, last=(0, 0), b=2048, **kw):
-        super().__init__(*a, **kw)
-        self.last, self.b = last, b
-        self.k_pre, self.q_exact, self.q_far, self.rope = [], [], [], None
-
-    def rotate(self, q, k, rope, offset, query_scale):
-        self.rope = rope
-        self.k_pre.append(k[0].astype(mx.float32))
-        lo, hi = self.last
-        a, z = max(lo, offset), min(hi, offset + q.shape[2])
-        if z > a:
-            sl = q[:, :, a - offset : z - offset]
-            exact, far = rope(sl, offset=a), rope_to(rope, sl, self.b)
-            if query_scale is not None:
-                scale = query_scale[..., a - offset : z - offset, :]
-                exact, far = exact * scale, far * scale
-            self.q_exact.append(exact[0].astype(mx.float32))
-            self.q_far.append(far[0].astype(mx.float32))
-        return super().rotate(q, k, rope, offset, query_scale)
+from ..probe import rows_at, run_probe
 
 
 def capture_segment(model, ids, n_queries: int, b: int, chunk: int = 1024) -> list:
     """Per layer (pre-RoPE keys, RoPE keys [Hkv, T, D], exact and rotated
     queries [Hq, n, D] of the last `n_queries` positions)."""
     T = len(ids)
-    with api.patched(model, algo=Capture) as patch:
-        caches = [
-            Capture(last=(T - n_queries, T), b=b, layer=i)
-            for i in range(len(patch.sites))
-        ]
-        for s in range(0, T, chunk):
-            mx.eval(model(mx.array(ids[s : s + chunk])[None], cache=caches))
+    wanted = np.arange(T - n_queries, T)
+    seen_by_layer: dict[int, dict] = {}
+
+    def keep(seen):
+        got = seen_by_layer.setdefault(seen.layer, {"k": [], "qe": [], "qf": []})
+        got["rope"] = seen.rope
+        got["k"].append(seen.k_pre[0].astype(mx.float32))
+        idx = rows_at(wanted, seen)
+        if idx is not None:
+            far = rope_to(seen.rope, seen.q_pre[:, :, idx], b)
+            if seen.query_scale is not None:
+                far = far * seen.query_scale[..., idx, :]
+            got["qe"].append(seen.q[0][:, idx].astype(mx.float32))
+            got["qf"].append(far[0].astype(mx.float32))
+
+    run_probe(model, ids, keep, chunk=chunk)
     out = []
-    for c in caches:
-        k_pre = mx.concatenate(c.k_pre, axis=1)
-        k_exact = c.rope(k_pre[None], offset=0)[0]
-        q_exact, q_far = (mx.concatenate(x, 1) for x in (c.q_exact, c.q_far))
+    for layer in sorted(seen_by_layer):
+        got = seen_by_layer[layer]
+        k_pre = mx.concatenate(got["k"], axis=1)
+        k_exact = got["rope"](k_pre[None], offset=0)[0]
+        q_exact, q_far = (mx.concatenate(got[x], 1) for x in ("qe", "qf"))
         out.append((k_pre, k_exact, q_exact, q_far))
     return out
 

@@ -14,7 +14,7 @@ from functools import partial
 import mlx_lm.models.cache as mlc
 
 from .. import api
-from ..caches.eviction import _check_int
+from ..caches.options import check_int
 from ..errors import OptionError, PatchStateError
 
 
@@ -116,8 +116,8 @@ def _mlx_factory(kind: str, options: dict):
         # Built here, not via max_kv_size: mlx-lm ignores that for models that
         # define make_cache (llama, qwen, mistral do).
         budget, sinks = options.get("budget"), options.get("sinks", 4)
-        _check_int("budget", budget, 1)
-        _check_int("sinks", sinks, 0)
+        check_int("budget", budget, 1)
+        check_int("sinks", sinks, 0)
         if sinks >= budget:
             raise OptionError(f"budget ({budget}) must exceed sinks ({sinks})")
         return partial(mlc.RotatingKVCache, max_size=budget, keep=sinks)
@@ -203,9 +203,9 @@ def _veloxquant_config(algo: str, options: dict, rope_theta):
     allowed = {"budget", *peer.fields, *theirs} - {peer.budget}  # budget is ours
     _only(options, allowed, f"veloxquant {algo}")
     budget = options.get("budget")
-    _check_int("budget", budget, 1)
+    check_int("budget", budget, 1)
     for k in {"sinks", "recent"} & set(options):
-        _check_int(k, options[k], 0)
+        check_int(k, options[k], 0)
     values = {peer.fields.get(k, k): v for k, v in options.items() if k != "budget"}
     # The docs ask for the model's RoPE base where a cache takes one.
     rope = f"{algo}_rope_base"

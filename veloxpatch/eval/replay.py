@@ -20,22 +20,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import api
-from ..caches import ALGORITHMS
-from ..caches.full import FullCache
-
-
-class CaptureCache(FullCache):
-    """A full cache that records the arguments of every attention call."""
-
-    name = "capture"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls = []
-
-    def attend(self, q, k, v, *, rope, scale, query_scale=None):
-        self.calls.append((q, k, v, rope, scale, query_scale))
-        return super().attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
+from ..probe import run_probe
 
 
 @dataclass
@@ -49,8 +34,8 @@ class Captured:
         """Fresh caches of `algo` in the state a direct run over `tokens` leaves
         (exact when the captured run processed them in one call)."""
         # `bound`: the patch's options for `options` (loaded calibration files)
-        opts = bound or ALGORITHMS[algo].Options.create(algo, dict(options or {}))
-        cls = ALGORITHMS[algo].for_options(opts)
+        opts = bound or api.make_options(algo, options)[1]
+        cls = api.algorithm(algo).for_options(opts)
         n = len(self.calls)
         if chunks or any(len(calls) != 1 for calls in self.calls):
             caches = [cls(opts, layer, n) for layer in range(n)]
@@ -108,12 +93,14 @@ def capture_prefill(model, tokens) -> Captured:
     """Run `tokens` through the model in one call and record every layer."""
     if api.patch_of(model) is not None:
         raise RuntimeError("capture_prefill needs an unpatched model")
-    with api.patched(model, algo=CaptureCache) as patch:
-        caches = patch.make_cache()
-        mx.eval(model(mx.array(tokens)[None], cache=caches))
-    for c in caches:
-        if not isinstance(c, CaptureCache):
-            raise RuntimeError("replay needs veloxpatch caches on every layer")
-    calls = [c.calls for c in caches]
+    calls = [[] for _ in model.layers]
+
+    def record(seen):
+        call = (seen.q_pre, seen.k_pre, seen.v, seen.rope, seen.scale)
+        calls[seen.layer].append((*call, seen.query_scale))
+
+    run_probe(model, list(tokens), record, chunk=max(1, len(tokens)))
+    if not all(calls):
+        raise RuntimeError("replay needs veloxpatch caches on every layer")
     mx.eval([[(q, k, v) for q, k, v, *_ in layer] for layer in calls])
     return Captured(calls, list(tokens))

@@ -1,0 +1,89 @@
+"""Options of an algorithm: a dataclass validated in `__post_init__`, and the
+public validators every algorithm (and the CLI) uses.
+
+`bind(model, dims)` runs in `veloxpatch.apply` before anything is patched: it
+checks what depends on the model and loads calibration files. `dims` is what an
+adapter reports (`model_adapters.base.ModelDims`), so an algorithm never needs
+to know an architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from ..errors import OptionError
+
+
+def check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    """An integer (not a bool) in [minimum, maximum]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        hi = "" if maximum is None else f" and <= {maximum}"
+        raise OptionError(f"{name} must be >= {minimum}{hi}, got {value}")
+
+
+def check_number(
+    name: str, value, lo: float, hi: float = math.inf, lo_open: bool = False
+) -> None:
+    """A finite real number (not a bool) in [lo, hi], or (lo, hi] with lo_open.
+    NaN fails every comparison, so it is refused explicitly."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionError(f"{name} must be a number, got {value!r}")
+    if (
+        not math.isfinite(value)
+        or value < lo
+        or value > hi
+        or (lo_open and value == lo)
+    ):
+        bracket = "(" if lo_open else "["
+        raise OptionError(
+            f"{name} must be a finite number in {bracket}{lo}, {hi}], got {value}"
+        )
+
+
+def check_choice(name: str, value, choices) -> None:
+    if isinstance(value, bool) or value not in choices:
+        raise OptionError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_path(name: str, value) -> None:
+    """A file path option (None is allowed by the caller before this)."""
+    if not isinstance(value, str) or not value:
+        raise OptionError(f"{name} must be a file path, got {value!r}")
+
+
+@dataclasses.dataclass
+class CacheOptions:
+    """Options shared by every algorithm. Subclasses add fields and validate them
+    in `__post_init__` (call super)."""
+
+    def __post_init__(self):
+        self.dims = None  # the model's ModelDims, once bound
+
+    @classmethod
+    def create(cls, algo: str, options: dict[str, Any]) -> CacheOptions:
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            valid = ", ".join(names) if names else "(none)"
+            raise OptionError(
+                f"unknown option(s) {', '.join(unknown)} for {algo!r}; valid: {valid}"
+            )
+        try:
+            return cls(**options)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, OptionError):
+                raise
+            raise OptionError(f"{algo}: {e}") from None
+
+    def bind(self, model, dims) -> CacheOptions:
+        """Checks and loads what depends on the model (dimensions, calibration
+        files), before anything is patched. Subclasses call super."""
+        self.dims = dims
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,97 @@
+"""Where one sequence is: prefill -> prompt end -> decode.
+
+One `PromptPhase` is shared by every layer's cache of one prompt cache (what one
+`make_cache()` call returns), so all layers agree on when the prompt ended. The
+patched forward reports each call (`begin_call`, from every layer; the first
+layer of a model call moves the phase, the others find it moved), and
+`Patch.end_prompt()` can end the prompt explicitly (`end`).
+
+The rule, from what the forward sees: a multi-token call is prompt; a lone
+token after prompt calls may end the prompt; the prompt has ended when the next
+call arrives, before it attends, so the last prompt token's query is part of
+the prompt. mlx-lm may send one more lone token that is still prompt: when
+len(prompt) - 1 = 1 mod prefill_step_size its last prefill chunk has one token,
+and only then is it followed by a lone last token. The forward cannot tell that
+chunk from the last token; mlx-lm tells them apart for us, since `generate_step`
+evaluates every cache's `state` after each prefill chunk and never while
+decoding: caches report that read with `chunk_evaluated()`.
+
+`ends` counts prompt ends; a cache that has seen fewer runs its `end_prompt`
+hook before attending (or at once, on `Patch.end_prompt()`).
+"""
+
+from __future__ import annotations
+
+PREFILL, ENDING, DECODE = "prefill", "ending", "decode"
+
+
+class PromptPhase:
+    def __init__(self):
+        self.state = DECODE  # a lone token before any prompt is not a prompt end
+        self.ends = 0  # prompt ends so far
+        self.call = None  # (offset, length) of the model call being processed
+        self.layers = set()  # the layers that have begun it
+        self.after_multi = False  # the previous call had several tokens
+        self.maybe_chunk = False  # ENDING: the lone call may be mlx-lm's last chunk
+        self.evaluated = False  # mlx-lm evaluated the state since the last call
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.state != DECODE
+
+    def begin_call(self, layer: int, offset: int, length: int) -> None:
+        """`layer` starts attending `length` tokens at `offset`."""
+        if self.call == (offset, length) and layer not in self.layers:
+            self.layers.add(layer)
+            return  # another layer of the same model call
+        self.call, self.layers = (offset, length), {layer}
+        if self.state == ENDING:
+            if self.maybe_chunk and self.evaluated:
+                self.state = PREFILL  # it was mlx-lm's lone last prefill chunk
+            else:
+                self.ends += 1
+                self.state = DECODE
+        self.evaluated = False
+        if length > 1:
+            self.state = PREFILL
+        elif self.state == PREFILL:
+            self.state = ENDING
+            self.maybe_chunk = self.after_multi
+        self.after_multi = length > 1
+
+    def chunk_evaluated(self) -> None:
+        """mlx-lm read the caches' state (it does after every prefill chunk)."""
+        self.evaluated = True
+
+    def end(self) -> None:
+        """The caller says the prompt is over."""
+        if self.state != DECODE:
+            self.ends += 1
+            self.state = DECODE
+
+    def copy(self) -> PromptPhase:
+        new = PromptPhase()
+        new.__dict__.update(self.__dict__, layers=set(self.layers))
+        return new
+
+    # ---- saved with each cache (every layer holds the same) -------------------
+    def as_meta(self) -> dict:
+        return {
+            "phase": self.state,
+            "phase_ends": self.ends,
+            "phase_after_multi": self.after_multi,
+            "phase_maybe_chunk": self.maybe_chunk,
+            "phase_evaluated": self.evaluated,
+        }
+
+    @classmethod
+    def from_meta(cls, m: dict) -> PromptPhase:
+        phase = cls()
+        phase.state = str(m["phase"])
+        if phase.state not in (PREFILL, ENDING, DECODE):
+            raise ValueError(f"unknown prompt phase {phase.state!r}")
+        phase.ends = int(m["phase_ends"])
+        phase.after_multi = bool(m["phase_after_multi"])
+        phase.maybe_chunk = bool(m["phase_maybe_chunk"])
+        phase.evaluated = bool(m["phase_evaluated"])
+        return phase
