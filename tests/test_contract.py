@@ -1,0 +1,193 @@
+"""The cache contract, checked for every entry of `veloxpatch.algos()`.
+
+A new algorithm is one file plus one registry line, and one line in CONTRACT
+below (options that make it evict on a 60-token tiny run); the first test fails
+until that line exists. Every algorithm then gets, with and without `kv_bits`
+where its options have it: the masked-dense oracle on tiny llama, qwen3 and
+ministral3, save/load, bounded bytes over a long decode, `offset`, option
+validation with a clear error, and restore by identity.
+"""
+
+import dataclasses
+import importlib
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import greedy, max_abs
+from oracle import oracle_logits, run_patched
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.api import algorithm
+from veloxpatch.errors import UnsupportedModelError, VeloxpatchError
+
+# Small budgets so that a 60-token run evicts in prefill chunks and in decode.
+CONTRACT = {
+    "full": {},
+    "streaming_llm": dict(budget=12, sinks=2),
+    "knorm": dict(budget=14, sinks=2),
+    "snapkv": dict(budget=16, window=4),
+    "pyramidkv": dict(budget=16, window=4, beta=4),
+    "adakv": dict(budget=16, window=4),
+    "h2o": dict(budget=12, sinks=2),
+    "tova": dict(budget=12, sinks=2),
+    "keyformer": dict(budget=12, sinks=1, recent=3),
+    "qfilters": dict(budget=16, window=4),
+    # top=1: retrieval of every far row is dense attention (test_a2ats.py checks
+    # what a smaller fraction retrieves).
+    "a2ats": dict(window=8, sinks=2, top=1.0),
+    "kivi": dict(bits=8, residual=4),
+}
+QUANTIZED = dict(kv_bits=8, kv_residual=4)
+NOT_EVICTING = {"full", "a2ats", "kivi"}
+ARCHS = ["llama", "qwen3", "ministral3"]
+N, CHUNKS = 60, [9, 7, 11]  # prefill chunks, then single-token decode
+HEAD_DIM = 32  # quantized rows need groups of 32 channels
+
+
+def has_kv_bits(algo):
+    fields = {f.name for f in dataclasses.fields(algorithm(algo).Options)}
+    return "kv_bits" in fields
+
+
+def variants():
+    out = []
+    for algo in veloxpatch.algos():
+        opts = CONTRACT.get(algo, {})
+        out.append(pytest.param(algo, opts, id=algo))
+        if has_kv_bits(algo):
+            out.append(pytest.param(algo, {**opts, **QUANTIZED}, id=f"{algo}-kv8"))
+    return out
+
+
+def quantized(algo, opts):
+    return "kv_bits" in opts or algo == "kivi"
+
+
+def logprobs(x):
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def skip_if_refused(model, algo, opts):
+    """An algorithm may refuse an architecture (A2ATS: YaRN ropes), with one
+    clear line before anything is patched; then there is nothing else to check."""
+    try:
+        veloxpatch.apply(model, algo, **opts).restore()
+    except UnsupportedModelError as e:
+        assert "\n" not in str(e) and veloxpatch.api.patch_of(model) is None
+        pytest.skip(f"{algo} refuses this model: {e}")
+
+
+def test_every_algorithm_has_contract_options():
+    assert set(veloxpatch.algos()) == set(CONTRACT), (
+        "add the new algorithm's small-budget options to CONTRACT"
+    )
+
+
+@pytest.mark.parametrize("algo,opts", variants())
+@pytest.mark.parametrize("arch", ARCHS)
+def test_masked_dense_oracle(arch, algo, opts):
+    model = tiny_model(arch, head_dim=HEAD_DIM)
+    skip_if_refused(model, algo, opts)
+    tokens = prompt_tokens(N).tolist()
+    patched, masks, caches = run_patched(model, tokens, CHUNKS, algo, **opts)
+    dense = oracle_logits(model, tokens, masks)
+    err = mx.abs(logprobs(patched) - logprobs(dense)).max().item()
+    # 8-bit rows move tiny qwen3's sharpened log-probabilities by up to ~0.06.
+    assert err <= (0.1 if quantized(algo, opts) else 1e-4)
+    assert all(c.offset == N for c in caches)
+    causal = np.tril(np.ones((N, N), bool))
+    hidden = sum(int((causal & ~m).sum()) for m in masks)
+    if algo in NOT_EVICTING:
+        assert hidden == 0
+    else:  # eviction really happened, and what is held is within the bound
+        assert hidden > 0
+        assert all(c.rows <= c.row_bound() for c in caches)
+
+
+@pytest.mark.parametrize("algo,opts", variants())
+def test_save_load_then_generation_continues(tmp_path, algo, opts):
+    model = tiny_model("qwen3", head_dim=HEAD_DIM)
+    prompt = prompt_tokens(40)
+    with veloxpatch.patched(model, algo=algo, **opts) as patch:
+        caches = patch.make_cache()
+        greedy(model, prompt, n=6, prompt_cache=caches)  # prompt ended, decoding
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+        assert [type(c) for c in loaded] == [type(c) for c in caches]
+        assert [c.offset for c in loaded] == [c.offset for c in caches]
+        nxt = mx.array([5])
+        t1, l1 = greedy(model, nxt, n=8, prompt_cache=caches)
+        t2, l2 = greedy(model, nxt, n=8, prompt_cache=loaded)
+    assert t1 == t2 and max_abs(l1, l2) == 0.0
+
+
+def full_bytes(caches, model):
+    """What mlx-lm's own KVCache holds for the same tokens (no positions)."""
+    attn = model.layers[0].self_attn
+    per_token = 2 * attn.n_kv_heads * HEAD_DIM * 4
+    return sum(per_token * c.offset for c in caches)
+
+
+@pytest.mark.parametrize("algo,opts", variants())
+def test_bytes_stay_bounded_over_a_long_decode(algo, opts):
+    model = tiny_model("llama", head_dim=HEAD_DIM, num_hidden_layers=1)
+    with veloxpatch.patched(model, algo=algo, **opts) as patch:
+        caches = patch.make_cache()
+        y = prompt_tokens(24)[None]
+        held = []
+        for _ in range(400):
+            logits = model(y, cache=caches)
+            y = mx.argmax(logits[:, -1:], axis=-1)
+            mx.eval(y)
+            held.append(sum(c.nbytes for c in caches))
+    assert caches[0].offset == 24 + 399
+    if algo in NOT_EVICTING:  # everything kept: no more than a full cache, + codes
+        assert held[-1] <= 1.5 * full_bytes(caches, model)
+    else:  # no growth with the generation length
+        assert max(held[200:]) <= max(held[100:200])
+        assert all(c.rows <= c.row_bound() for c in caches)
+
+
+# Values no option accepts: wrong types, NaN, infinities, huge negatives.
+BAD_VALUES = ["bogus-value", math.nan, math.inf, -math.inf, [1], -(10**9)]
+
+
+@pytest.mark.parametrize("algo", veloxpatch.algos())
+def test_every_option_rejects_bad_values_clearly_and_changes_nothing(algo):
+    model = tiny_model("llama", head_dim=HEAD_DIM)
+    module = importlib.import_module(type(model.layers[0].self_attn).__module__)
+    original = module.Attention.__dict__["__call__"]
+    base = CONTRACT[algo]
+    for field in dataclasses.fields(algorithm(algo).Options):
+        for value in BAD_VALUES:
+            with pytest.raises(VeloxpatchError) as err:
+                veloxpatch.apply(model, algo=algo, **{**base, field.name: value})
+            message = str(err.value)
+            assert "\n" not in message
+            assert veloxpatch.api.patch_of(model) is None
+            assert module.Attention.__dict__["__call__"] is original
+            assert "make_cache" not in model.__dict__
+
+
+@pytest.mark.parametrize("algo,opts", variants())
+def test_restore_by_identity(algo, opts):
+    model = tiny_model("qwen3", head_dim=HEAD_DIM)
+    module = importlib.import_module(type(model.layers[0].self_attn).__module__)
+    original = module.Attention.__dict__["__call__"]
+    before = dict(veloxpatch_params(model))
+    with veloxpatch.patched(model, algo=algo, **opts) as patch:
+        greedy(model, prompt_tokens(20), n=4, prompt_cache=patch.make_cache())
+    assert module.Attention.__dict__["__call__"] is original
+    assert "make_cache" not in model.__dict__
+    after = dict(veloxpatch_params(model))
+    assert list(after) == list(before)
+    assert all(after[k] is before[k] for k in before)
+
+
+def veloxpatch_params(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
