@@ -107,3 +107,14 @@ def test_check_runs_as_a_module():
     bad = check("nope.Nope")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("model_adapters.check: cannot import nope")
+
+
+def test_check_as_a_veloxpatch_command():
+    from click.testing import CliRunner
+
+    from veloxpatch.cli import main
+
+    res = CliRunner().invoke(main, ["adapter-check", "mlx_lm.models.llama.Attention"])
+    assert res.exit_code == 0 and "llama, mistral: matches" in res.output
+    res = CliRunner().invoke(main, ["adapter-check", "mlx_lm.models.llama.Nope"])
+    assert res.exit_code == 2 and "has no class Nope" in res.output
