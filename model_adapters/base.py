@@ -24,6 +24,8 @@ class AttentionTarget:
 
     module: str  # e.g. "mlx_lm.models.llama"
     cls: str  # e.g. "Attention"
+    # `python -m model_adapters.check module.Class` prints these two pins for
+    # the installed mlx-lm, and whether an adapter's pins still match
     signature: str  # str(inspect.signature(cls.__call__)) when the adapter was written
     source_sha256: str  # of inspect.getsource(cls.__call__), same time
     # (attn, x) -> pre-RoPE q [B, Hq, L, D], k, v [B, Hkv, L, D]

@@ -3,11 +3,16 @@ small enough to be quick; the metrics themselves are tested in test_eval."""
 
 import json
 import sys
+from dataclasses import dataclass
 
+import pytest
 from click.testing import CliRunner
 from conftest import smollm
+from tiny import prompt_tokens, tiny_model
 
 from veloxpatch.cli import main
+from veloxpatch.eval.metrics import evaluate_continuation
+from veloxpatch.eval.tasks import EvalTask
 
 
 def run(*args):
@@ -112,3 +117,71 @@ def test_bench_measures_against_unpatched(tmp_path):
         t["prefill_tok_per_s"] > 0 and t["peak_memory_bytes"] > 0
         for t in table.values()
     )
+
+
+def test_eval_checks_task_options_before_loading(tmp_path, monkeypatch):
+    from veloxpatch import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded"))
+    out = tmp_path / "r.json"
+    res = run(
+        "eval", "--arms", "full", "--tasks", "passkey", "--cases", 0, "--out", out
+    )
+    assert res.exit_code == 2 and "--cases must be at least 1" in res.output
+    assert not out.exists()
+
+
+@dataclass
+class ToyTask(EvalTask):
+    """A task as a user would add one: next-token agreement with full after a
+    random context on whatever model `eval` loads."""
+
+    name = "toy"
+    summary = "greedy agreement with full over a few tokens"
+    progress_label = "toy contexts"
+
+    context: int = 1500
+    prefill_step_size: int = 2048
+
+    def steps(self):
+        return 1
+
+    def run(self, model, tokenizer, arms, tick):
+        ids = prompt_tokens(self.context).tolist()
+        res = evaluate_continuation(
+            model, arms, ids[:-4], ids[-4:], self.prefill_step_size
+        )
+        tick()
+        return {"table": [{"arm": r.arm, "agreement": r.agreement} for r in res]}
+
+    def summary_lines(self, result):
+        return ["toy"] + [f"{t['arm']} {t['agreement']:.2f}" for t in result["table"]]
+
+
+def test_a_new_task_is_one_class_and_one_registry_line(tmp_path, monkeypatch):
+    from veloxpatch import models
+    from veloxpatch.eval.tasks import TASKS
+
+    monkeypatch.setitem(TASKS, "toy", ToyTask)  # the one line
+    monkeypatch.setattr(models, "load", lambda *a, **k: (tiny_model("llama"), None))
+    out = tmp_path / "r.json"
+    res = run(
+        "eval",
+        "--arms",
+        "streaming_llm:budget=8,sinks=2",
+        "--tasks",
+        "toy",
+        "--context",
+        48,
+        "--prefill-step-size",
+        16,
+        "--out",
+        out,
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert "passkey" not in data and "continuation" not in data
+    table = {t["arm"]: t["agreement"] for t in data["toy"]["table"]}
+    assert set(table) == {"full", "streaming_llm:budget=8,sinks=2"}
+    assert table["full"] == 1.0
+    assert "toy contexts: 1/1" in res.output and "\ntoy\nfull 1.00\n" in res.output

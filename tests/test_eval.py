@@ -111,3 +111,29 @@ def test_decoded_lead_in_same_answer_replayed_or_direct(loaded):
     assert replayed[0]["correct"] and replayed[0]["lead_in"] == "decoded"
     full_kv, snap_kv = (r["kv_bytes"] for r in replayed)
     assert snap_kv < full_kv / 3  # compressed during the lead-in
+
+
+def test_task_names_map_to_tasks_in_registry_order():
+    from veloxpatch.eval.harness import make_tasks, parse_tasks
+    from veloxpatch.eval.tasks import ContinuationTask, PasskeyTask
+
+    params = dict(context=300, cases=2, segments=1, continuation=12, out="x.json")
+    tasks = make_tasks(parse_tasks("agreement, passkey,ppl"), params)
+    assert [type(t) for t in tasks] == [PasskeyTask, ContinuationTask]  # ppl once
+    assert tasks[0].cases == 2 and tasks[1].continuation == 12
+    assert tasks[1].prefill_step_size == 2048  # not given: the field's default
+    with pytest.raises(OptionError, match="unknown task"):
+        parse_tasks("passkey,speed")
+
+
+def test_task_options_are_checked_when_made():
+    from veloxpatch.eval.tasks import ContinuationTask, PasskeyTask
+
+    for cls, bad, msg in [
+        (PasskeyTask, dict(cases=0), "--cases"),
+        (PasskeyTask, dict(context=50), "--context"),
+        (ContinuationTask, dict(segments=0), "--segments"),
+        (ContinuationTask, dict(text="no/such/file.txt"), "--text"),
+    ]:
+        with pytest.raises(OptionError, match=msg):
+            cls.from_params(bad)

@@ -137,6 +137,16 @@ def list_(verbose):
         click.echo(f"BLAS: {blas.active()}")
 
 
+@main.command("adapter-check")
+@click.argument("cls", metavar="MODULE.CLASS")
+def adapter_check(cls):
+    """Signature and source hash of an attention class's __call__, as an
+    adapter pins them (same as `python -m model_adapters.check`)."""
+    from model_adapters import check
+
+    sys.exit(check.main([cls]))
+
+
 from . import cli_calibrate, cli_eval  # noqa: E402, F401  (register commands)
 
 if __name__ == "__main__":

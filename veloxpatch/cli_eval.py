@@ -109,21 +109,7 @@ def _with(options):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--plot", "plot_path", default=None, help="PNG: quality against budget")
 @_user_errors
-def eval_(
-    model,
-    arms,
-    budgets,
-    prefill_step_size,
-    text,
-    out,
-    tasks,
-    context,
-    cases,
-    segments,
-    continuation,
-    seed,
-    plot_path,
-):
+def eval_(model, arms, budgets, out, tasks, plot_path, **task_options):
     """Passkey accuracy, perplexity and agreement with full, per arm."""
     from . import models
     from .eval import harness
@@ -131,7 +117,8 @@ def eval_(
     from .eval.metrics import Arm
     from .eval.runinfo import run_info, write_results
 
-    task_list = harness.parse_tasks(tasks)
+    # each task takes the options it reads (its fields) and checks them now
+    task_list = harness.make_tasks(harness.parse_tasks(tasks), task_options)
     arm_list = expand(split_arms(arms), _ints(budgets))
     if not any(a.algo == "full" and not a.options for a in arm_list):
         arm_list.insert(0, Arm("full"))  # the reference every table needs
@@ -149,33 +136,9 @@ def eval_(
         "config": dict(click.get_current_context().params),
         "skipped": skipped,
     }
-    kw = dict(context=context, text=text, step=prefill_step_size)
-    if "passkey" in task_list:
-        with _progress(cases, "passkey cases") as bar:
-            rows, table = harness.passkey(
-                loaded,
-                tokenizer,
-                arm_list,
-                cases=cases,
-                seed=seed,
-                tick=lambda: bar.update(1),
-                **kw,
-            )
-        results["passkey"] = {"table": table, "raw": rows}
-    if {"ppl", "agreement"} & set(task_list):
-        with _progress(segments, "continuations") as bar:
-            rows, table = harness.continuation(
-                loaded,
-                tokenizer,
-                arm_list,
-                length=continuation,
-                segments=segments,
-                tick=lambda: bar.update(1),
-                **kw,
-            )
-        results["continuation"] = {"table": table, "raw": rows}
+    results.update(harness.run_tasks(loaded, tokenizer, arm_list, task_list, _progress))
     write_results(out, results)
-    click.echo(harness.format_tables(results))
+    click.echo(harness.format_tables(results, task_list))
     if plot_path:
         plot(results, plot_path)
         click.echo(f"plot: {plot_path}")

@@ -1,0 +1,92 @@
+"""Teacher-forced continuation after a compressed context: perplexity, greedy
+agreement and KL against `full`. The task names `ppl` and `agreement` both run
+it: one pass gives every metric, so asking for both costs one run."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from ...errors import OptionError
+from ..metrics import evaluate_continuation
+from ..text import prose_length, prose_tokens
+from .base import EvalTask, check_text, require
+
+
+@dataclass
+class ContinuationTask(EvalTask):
+    name = "continuation"
+    summary = "perplexity, agreement and KL against full after a compressed context"
+    progress_label = "continuations"
+
+    context: int = 1500
+    continuation: int = 256
+    segments: int = 2
+    text: str = "evaluation"
+    prefill_step_size: int = 2048
+
+    def __post_init__(self):
+        require(self.context >= 2, f"--context must be at least 2, got {self.context}")
+        require(
+            self.continuation >= 1,
+            f"--continuation must be at least 1, got {self.continuation}",
+        )
+        require(
+            self.segments >= 1, f"--segments must be at least 1, got {self.segments}"
+        )
+        require(self.prefill_step_size >= 1, "--prefill-step-size must be positive")
+        check_text(self.text)
+
+    def steps(self) -> int:
+        return self.segments
+
+    def run(self, model, tokenizer, arms, tick) -> dict:
+        """Raw rows and per-arm means of perplexity, agreement and KL against
+        full, over `segments` stretches of prose spread over the text."""
+        total = prose_length(tokenizer, self.text)
+        span = self.context + self.continuation
+        if span > total:
+            raise OptionError(f"the text has {total} tokens, fewer than {span} needed")
+        segments = self.segments
+        stride = (total - span) // max(1, segments - 1) if segments > 1 else 0
+        rows = []
+        for seg in range(segments):
+            ids = prose_tokens(tokenizer, span, self.text, start=seg * stride)
+            for res in evaluate_continuation(
+                model,
+                arms,
+                ids[: self.context],
+                ids[self.context :],
+                self.prefill_step_size,
+            ):
+                rows.append({"segment": seg, **res.as_dict()})
+            tick()
+        return {"table": _table(rows, arms), "raw": rows}
+
+    def summary_lines(self, result: dict) -> list[str]:
+        lines = [f"{'continuation':<40} {'ppl':>8} {'agree':>6} {'KL':>7}   KV MB"]
+        for t in result["table"]:
+            lines.append(
+                f"{t['arm']:<40} {t['perplexity']:8.3f} {t['agreement']:6.3f} "
+                f"{t['kl']:7.4f} {t['kv_mb']:7.2f}"
+            )
+        return lines
+
+
+def _table(rows, arms) -> list[dict]:
+    table = []
+    for arm in arms:
+        mine = [r for r in rows if r["arm"] == arm.label]
+        table.append(
+            {
+                "arm": arm.label,
+                "family": arm.family,
+                "algo": arm.algo,
+                "budget": arm.options.get("budget"),
+                "perplexity": statistics.mean(r["perplexity"] for r in mine),
+                "agreement": statistics.mean(r["agreement"] for r in mine),
+                "kl": statistics.mean(r["kl"] for r in mine),
+                "kv_mb": statistics.mean(r["kv_bytes"] for r in mine) / 1e6,
+            }
+        )
+    return table
