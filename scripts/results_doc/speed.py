@@ -203,7 +203,8 @@ def decode_eviction() -> list[str]:
         "",
         "This run predates H2O and TOVA attending with the fused kernel plus "
         "explicit probabilities. The second run below measures the query-aware "
-        "algorithms as they are now, and lookahead; it ran beside a perplexity "
+        f"algorithms at commit `{qa['run']['git_commit']}`, with that change, and "
+        "lookahead; it ran beside a perplexity "
         "job on the same two CPUs, so its absolute tok/s are lower (the ratios "
         "are paired per repeat).",
         "",

@@ -178,7 +178,7 @@ def qfilters_rank() -> list[str]:
         "every stretch. Orientation: on the 3,000 calibration queries per head, "
         "the share projecting positively on their own head's filter rounded to "
         "1.00 in every layer (the calibration run printed the per-layer minimum; "
-        "`veloxpatch calibrate` now prints the per-head minimum), and "
+        "`veloxpatch calibrate` prints the per-head minimum), and "
         "`tests/test_smollm.py` checks a majority for every layer and head. In "
         "the continuation comparison with veloxquant the two modes are close "
         f"(KL at 128 / 256 / 512: {kls(',' + f)} with the file, {kls('')} on the "
