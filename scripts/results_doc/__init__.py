@@ -1,7 +1,11 @@
 """The sections of docs/results.md, in order; each returns markdown lines
-computed from the results files in scripts/results/ (see make_results_doc.py)."""
+computed from the results files in scripts/results/ (see make_results_doc.py).
+`headline` is the README's results summary."""
 
 from . import budgets, eval_runs, peers, speed, studies
+from .headline import headline
+
+__all__ = ["SECTIONS", "headline"]
 
 SECTIONS = [
     eval_runs.passkey_all,
