@@ -1,5 +1,6 @@
-"""docs/results.md is generated from scripts/results/*.json: it must match what
-scripts/make_results_doc.py writes now (no model, under a second)."""
+"""docs/results.md and the README's results summary are generated from
+scripts/results/*.json: they must match what scripts/make_results_doc.py writes
+(no model, under a second)."""
 
 import subprocess
 import sys

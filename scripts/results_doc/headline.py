@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import textwrap
 
-from results_markdown import by_key, count, load, table
+from results_markdown import CODEBOOK, by_key, count, load, table
 
 from .peers import worse_pairs
 
@@ -25,7 +25,7 @@ def headline() -> list[str]:
     s, s4 = q["snapkv:budget=512"], q["snapkv:budget=512,kv_bits=4"]
     speed = by_key(load("bench_decode")["table"])
     quiet = by_key(load("bench_decode_a2ats_kivi_quiet")["table"])
-    book = "a2ats:codebook=scripts/results/smollm2_a2ats_256.safetensors"
+    book = f"a2ats:codebook={CODEBOOK}"
     mem = by_key(load("bench_memory")["rows"])
 
     def above(arm):
