@@ -9,6 +9,12 @@ error), per layer, then averaged over layers. The query-aware codebook of size
 `--save-size` is saved for the evaluation runs.
 
     .venv/bin/python scripts/a2ats_codebook.py --sizes 64,256,1024
+
+The saved codebook (13 MB) is not committed. The same codebook (same tokens,
+seed and k-means) comes faster from the calibrate command, without the study:
+
+    veloxpatch calibrate --algo a2ats --tokens 8192 --codebook-size 256 \\
+        --out scripts/results/smollm2_a2ats_256.safetensors
 """
 
 from __future__ import annotations
@@ -41,7 +47,11 @@ def main():
     ap.add_argument("--far-position", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-size", type=int, default=256)
-    ap.add_argument("--save", default="scripts/results/smollm2_a2ats_256.safetensors")
+    ap.add_argument(
+        "--save",
+        default="scripts/results/smollm2_a2ats_256.safetensors",
+        help="where the --save-size codebook goes (not committed; empty: none)",
+    )
     ap.add_argument("--out", default="scripts/results/a2ats_codebook.json")
     args = ap.parse_args()
     info = run_info()

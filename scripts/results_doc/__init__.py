@@ -1,0 +1,23 @@
+"""The sections of docs/results.md, in order; each returns markdown lines
+computed from the results files in scripts/results/ (see make_results_doc.py).
+`headline` is the README's results summary."""
+
+from . import budgets, eval_runs, peers, speed, studies
+from .headline import headline
+
+__all__ = ["SECTIONS", "headline"]
+
+SECTIONS = [
+    eval_runs.passkey_all,
+    eval_runs.quantized_ppl,
+    peers.versus_veloxquant,
+    speed.memory,
+    speed.decode_quantized,
+    speed.decode_eviction,
+    speed.overhead,
+    budgets.perplexity,
+    budgets.passkey,
+    budgets.lookahead,
+    studies.a2ats_codebook,
+    studies.qfilters_rank,
+]

@@ -1,0 +1,97 @@
+"""The README's results summary: a few headline numbers, wins and losses, from
+the same files as docs/results.md (make_results_doc.py writes it between
+markers in README.md)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from results_markdown import CODEBOOK, by_key, count, load, table
+
+from .peers import worse_pairs
+
+OURS = ["snapkv", "pyramidkv", "adakv", "h2o", "tova", "keyformer", "streaming_llm"]
+
+
+def headline() -> list[str]:
+    pk = {
+        (t["family"], t["budget"]): t for t in load("eval_passkey")["passkey"]["table"]
+    }
+    best = max(OURS, key=lambda f: (pk[(f, 512)]["correct"], f))
+    best256 = max(OURS, key=lambda f: (pk[(f, 256)]["correct"], f))
+    m4 = pk[("mlx.quantized:kv_bits=4", None)]
+    q = by_key(load("eval_kivi_a2ats_ppl")["continuation"]["table"])
+    k4, mq4 = q["kivi:bits=4"], q["mlx.quantized:kv_bits=4"]
+    s, s4 = q["snapkv:budget=512"], q["snapkv:budget=512,kv_bits=4"]
+    speed = by_key(load("bench_decode")["table"])
+    quiet = by_key(load("bench_decode_a2ats_kivi_quiet")["table"])
+    book = f"a2ats:codebook={CODEBOOK}"
+    mem = by_key(load("bench_memory")["rows"])
+
+    def above(arm):
+        return mem[arm]["mlx_peak_decode_mb"] - mem[arm]["weights_mb"]
+
+    def x(t, arm):
+        return f"{t[arm]['ratio_vs_unpatched_median']:.2f}x"
+
+    rows = [
+        [
+            "passkey, 20 cases of ~1,500 tokens, budget 512 rows",
+            f"`{best}` {count(pk[(best, 512)])}, `snapkv` {count(pk[('snapkv', 512)])}",
+            f"sliding window {count(pk[('mlx.rotating', 512)])}",
+        ],
+        [
+            "passkey at ~12 MB of KV",
+            f"best eviction (`{best256}`, 256 rows, "
+            f"{pk[(best256, 256)]['kv_mb']:.1f} MB) {count(pk[(best256, 256)])}",
+            f"4-bit `QuantizedKVCache` ({m4['kv_mb']:.1f} MB) {count(m4)}",
+        ],
+        [
+            "KL(full ‖ arm) of 256 tokens after 2,000, 4-bit KV",
+            f"`kivi:bits=4` {k4['kl']:.4f} ({k4['kv_mb']:.1f} MB)",
+            f"4-bit `QuantizedKVCache` {mq4['kl']:.4f} ({mq4['kv_mb']:.1f} MB)",
+        ],
+        [
+            "same, SnapKV 512 rows with and without `kv_bits=4`",
+            f"{s4['kl']:.4f} at {s4['kv_mb']:.1f} MB; {s['kl']:.4f} at "
+            f"{s['kv_mb']:.1f} MB",
+            "",
+        ],
+        [
+            "decode tok/s at 4,000 tokens, vs unpatched mlx-lm",
+            f"`snapkv` 512 rows {x(speed, 'snapkv')}, `full` "
+            f"{x(quiet, 'full')}, `a2ats` {x(quiet, book)}, `kivi:bits=2` "
+            f"{x(quiet, 'kivi:bits=2')}",
+            "1.00x",
+        ],
+        [
+            "decode peak memory above the weights, 4,000 tokens",
+            f"`kivi:bits=2` {above('kivi:bits=2'):.0f} MB, `full` "
+            f"{above('full'):.0f} MB",
+            f"4-bit `QuantizedKVCache` {above('mlx.quantized:kv_bits=4'):.0f} MB",
+        ],
+    ]
+    head = ["measured on SmolLM2-135M (CPU)", "veloxpatch", "mlx-lm"]
+    worse, pairs = worse_pairs()
+    peers = (
+        "lower KL in every case where the two differ"
+        if worse == 0
+        else f"except for higher KL in {worse} of {pairs} cases where they differ"
+    )
+    bullets = [
+        "- Query-aware eviction beats mlx-lm's sliding window at the same budget, "
+        "and beats the cache-only library's versions of the same algorithms at "
+        f"equal budget ({peers}).",
+        "- **Loss:** at equal memory, mlx-lm's own 4-bit cache keeps the needle "
+        "that every eviction method loses; a 135M model needs about half its "
+        "cache to keep 90% of its passkey accuracy.",
+        "- **Loss:** KIVI and A2ATS decode slower than the full cache here; A2ATS "
+        "saves compute only where attention dominates (not measured here), and "
+        "its 256-centroid codebook finds a passkey far less often than exact "
+        "retrieval does.",
+        "- **Loss:** adaptive KIVI widths do no better than interpolating "
+        "between uniform 2 and 3 bits; Q-Filters and `knorm` (default "
+        "`recent=0`) fail the passkey task at budgets 128-512.",
+    ]
+    wrapped = [textwrap.fill(b, 84, subsequent_indent="  ") for b in bullets]
+    return [*table(head, rows), "", *wrapped]
