@@ -165,3 +165,23 @@ def test_calibrate_on_a_model_with_sliding_window_layers(tmp_path):
     with veloxpatch.patched(model, "qfilters", budget=12, window=2, filters=str(path)):
         out = model(prompt_tokens(30)[None])
     assert bool(mx.isfinite(out).all().item())
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for calibration prose on a tiny model."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [b % 97 for b in text.encode()]
+
+
+@pytest.mark.parametrize("algo", ["qfilters", "a2ats"])
+def test_the_whole_calibration_on_sliding_window_layers(tmp_path, algo):
+    model = tiny_model("mistral_swa")
+    path = tmp_path / f"{algo}.safetensors"
+    options = dict(codebook_size=8, far_position=64) if algo == "a2ats" else {}
+    veloxpatch.calibrate(model, ByteTokenizer(), algo, tokens=64, out=path, **options)
+    key = "codebook" if algo == "a2ats" else "filters"
+    extra = dict(far_position=64) if algo == "a2ats" else dict(budget=12, window=2)
+    with veloxpatch.patched(model, algo, **{key: str(path)}, **extra):
+        out = model(prompt_tokens(30)[None])
+    assert bool(mx.isfinite(out).all().item())

@@ -58,19 +58,21 @@ def calibrate(model, algo, out, tokens, text, seed, codebook_size, far_position)
             codebook_size=codebook_size,
             far_position=far_position,
         )
+    # sliding-window layers keep mlx-lm's cache: nothing calibrated there
+    pairs = [(q, f) for q, f in zip(queries, per_head) if f is not None]
     if algo == "a2ats":
         click.echo(
-            f"wrote {out}: {len(per_head)} layers, {codebook_size} centroids per KV "
-            f"head from {queries[0][0].shape[1]} keys, queries rotated to "
+            f"wrote {out}: {len(pairs)} layers, {codebook_size} centroids per KV "
+            f"head from {pairs[0][0][0].shape[1]} keys, queries rotated to "
             f"b={far_position}"
         )
         return
     # per layer and query head: the share of its queries projecting positively
     positive = mx.concatenate(
-        [((q * f[:, None, :]).sum(-1) > 0).mean(-1) for q, f in zip(queries, per_head)]
+        [((q * f[:, None, :]).sum(-1) > 0).mean(-1) for q, f in pairs]
     )
     click.echo(
-        f"wrote {out}: {len(per_head)} layers, {queries[0].shape[1]} queries per "
+        f"wrote {out}: {len(pairs)} layers, {pairs[0][0].shape[1]} queries per "
         f"head; share of a head's queries projecting positively on its filter: "
         f"min {positive.min().item():.3f}, mean {positive.mean().item():.3f}"
     )
