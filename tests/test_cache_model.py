@@ -143,3 +143,14 @@ def test_long_decode_keeps_memory_bounded(algo, opts):
         assert max(seen) <= (64 * cache.keys.shape[1] + 16) * row
     else:
         assert len(set(seen)) == 1 and cache.rows == 64
+
+
+def test_foreign_mlx_lm_caches_on_a_patched_model_raise():
+    # An explicit list of mlx-lm KVCaches would run uncompressed without a word.
+    from mlx_lm.models.cache import KVCache
+
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, algo="knorm", budget=12):
+        with pytest.raises(PatchStateError, match="KVCache.*patch's caches"):
+            greedy(model, prompt_tokens(20), n=2, prompt_cache=[KVCache()] * 3)
+        assert model(prompt_tokens(5)[None]).shape[1] == 5  # no cache: fine

@@ -1,5 +1,6 @@
 """The one patched attention forward, shared by every adapter (DESIGN: "The
-patched forward"). Layers whose cache is not a veloxpatch cache run mlx-lm's code."""
+patched forward"). A patched layer called without a cache runs mlx-lm's code; one
+given an mlx-lm cache raises (it would silently run uncompressed)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ def patched_forward(site, wrapped, attn, args, kwargs):
     target = site.target
     x, call = target.bind(args, kwargs)
     cache = call.get("cache")
-    if not isinstance(cache, VeloxCache):
+    if cache is None:  # no cache at all (a scoring pass): nothing to compress
         return wrapped(*args, **kwargs)
+    if not isinstance(cache, VeloxCache):
+        # An mlx-lm cache here would run uncompressed without a word.
+        raise PatchStateError(
+            f"layer {site.index} of this patched model was given mlx-lm's "
+            f"{type(cache).__name__}; use the patch's caches (model.make_cache(), "
+            "make_prompt_cache, or no prompt_cache), or restore the patch to use "
+            "mlx-lm's own caches"
+        )
     if isinstance(call.get("mask"), mx.array):
         # Our caches never hand mlx-lm an array mask, so this is a padded batch or
         # a caller's own mask, which the cache cannot honour.

@@ -90,7 +90,7 @@ class A2ATSOptions(CacheOptions):
     def __post_init__(self):
         super().__post_init__()
         check_int("window", self.window, 1)
-        check_int("far_position", self.far_position, 0)
+        check_int("far_position", self.far_position, 0, 2**31 - 1)  # int32 positions
         check_int("sinks", self.sinks, 0)
         check_number("top", self.top, 0, 1, lo_open=True)
         check_choice("attention", self.attention, ("exact", "windowed"))

@@ -31,7 +31,7 @@ class KeyformerOptions(H2OOptions):
         check_number("tau_init", self.tau_init, 0, lo_open=True)
         check_number("tau_end", self.tau_end, 0, lo_open=True)
         check_int("tau_steps", self.tau_steps, 1)
-        check_int("seed", self.seed, 0)
+        check_int("seed", self.seed, 0, 2**31 - 1)  # mixed into a uint64 key
         super().__post_init__()
 
 

@@ -68,11 +68,11 @@ def pool_positions(scores: mx.array, kernel: int, kind: str) -> mx.array:
     avg divides by the kernel, as avg_pool1d with count_include_pad does)."""
     if kernel == 1:
         return scores
-    r = kernel // 2
     T = scores.shape[-1]
+    r = min(kernel // 2, T)  # a wider window sees nothing more (zero padding)
     pad = [(0, 0)] * (scores.ndim - 1) + [(r, r)]
     padded = mx.pad(scores, pad)
-    shifted = [padded[..., i : i + T] for i in range(kernel)]
+    shifted = [padded[..., i : i + T] for i in range(2 * r + 1)]
     if kind == "max":
         out = shifted[0]
         for x in shifted[1:]:
