@@ -93,12 +93,19 @@ def test_streaming_llm_keeps_sinks_and_recent():
 
 def test_knorm_keeps_lowest_norms():
     cls = ALGORITHMS["knorm"]
-    cache = feed(cls(cls.Options(budget=10, sinks=2)), [N])
+    cache = feed(cls(cls.Options(budget=10, sinks=2, recent=0)), [N])
     norms = np.linalg.norm(np.array(KEYS[0]), axis=-1)
     for h in range(HKV):
         rest = np.argsort(norms[h, 2:])[:8] + 2
         assert kept(cache)[0, h].tolist() == [0, 1] + sorted(rest.tolist())
     assert not (kept(cache)[0, 0] == kept(cache)[0, 1]).all()  # heads differ
+
+
+def test_knorm_default_recent_is_half_of_what_sinks_leave():
+    cls = ALGORITHMS["knorm"]
+    assert cls.Options(budget=512).recent == 254
+    assert cls.Options(budget=10, sinks=2).recent == 4
+    assert cls.Options(budget=5, sinks=4).recent == 0
 
 
 def test_attention_output_matches_masked_dense_at_cache_level():

@@ -16,6 +16,7 @@ SECTIONS = [
     speed.decode_eviction,
     speed.overhead,
     budgets.perplexity,
+    budgets.knorm_recent,
     budgets.passkey,
     budgets.lookahead,
     studies.a2ats_codebook,

@@ -99,7 +99,8 @@ def passkey_all() -> list[str]:
         "static direction per head does not single out a needle that only the "
         "final question attends to. Its continuation quality matches the other "
         f"methods (KL {q_kl:.2f} at 256).",
-        f"- `knorm` with its default `recent=0` also scores {at('knorm', 512)}.",
+        "- `knorm` with `recent=0` (its default until it was measured) also "
+        f"scores {at('knorm', 512)}.",
         f"- A2ATS with the 256-centroid codebook finds the key in "
         f"{at(codebook)} at 3%; by exact far scores it finds {at('a2ats')}.",
         f"- `full` holds {kv('full')} MB and `unpatched` {kv('unpatched')} MB for "

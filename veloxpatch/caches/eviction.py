@@ -47,6 +47,12 @@ class EvictionOptions(CacheOptions):
         """Rows never evicted: the sinks and the recent rows."""
         return self.sinks + self.recent_rows()
 
+    def half_left_by_sinks(self) -> int:
+        """(budget - sinks) // 2: the default `recent` of h2o and knorm."""
+        check_int("budget", self.budget, 1)
+        check_int("sinks", self.sinks, 0)
+        return max(0, (self.budget - self.sinks) // 2)
+
     def __post_init__(self):
         super().__post_init__()
         from .kv_bits import check_quant

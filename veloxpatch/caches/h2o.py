@@ -24,10 +24,8 @@ class H2OOptions(EvictionOptions):
     recent: int | None = None
 
     def __post_init__(self):
-        check_int("budget", self.budget, 1)
-        check_int("sinks", self.sinks, 0)
         if self.recent is None:
-            self.recent = max(0, (self.budget - self.sinks) // 2)
+            self.recent = self.half_left_by_sinks()
         check_int("recent", self.recent, 0)
         super().__post_init__()
 
