@@ -71,8 +71,8 @@ def perplexity() -> list[str]:
         *command(f"{PY} scripts/quality_ppl.py", qa["config"], PPL_KEYS),
         "",
         "`knorm` with `recent=0` (its default until it was measured) keeps the "
-        "lowest-norm keys and no recent ones, which breaks the continuation at every budget; "
-        "`knorm:recent=64` recovers much of it.",
+        "lowest-norm keys and no recent ones, which breaks the continuation at "
+        "every budget; `knorm:recent=64` recovers much of it.",
         "",
     ]
 
