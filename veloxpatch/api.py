@@ -12,8 +12,9 @@ import weakref
 
 from mlx_lm.models.cache import KVCache
 
-from . import patcher
+from . import mlx_flags, patcher
 from .caches import ALGORITHMS, VeloxCache
+from .caches.io import register_with_mlx_lm
 from .caches.phase import PromptPhase
 from .errors import OptionError, PatchStateError, UnsupportedModelError
 
@@ -60,24 +61,32 @@ def patch_of(model) -> Patch | None:
 class Patch:
     """A patched model. `restore()` undoes everything; a second call does nothing."""
 
-    def __init__(self, model, adapter, sites, cache_cls, options):
+    def __init__(self, model, adapter, sites, cache_cls, options, requested=None):
         self.model = model
+        self.requested = dict(requested or {})  # the options as the caller gave them
         self.adapter = adapter
         self.sites = sites  # every layer; sliding ones are not registered
         self.algo = cache_cls.name
         self.cache_cls = cache_cls
         self.options = options
         self._make = cache_cls.for_options(options)
+        self._by_budget: dict = {}  # max_kv_size -> (class, options)
         self.active = False
         self._prior_make_cache = _MISSING
         self._last_caches: list = []
 
     # -- caches ------------------------------------------------------------------
-    def make_cache(self, probe=None) -> list:
+    def make_cache(self, probe=None, max_kv_size=None) -> list:
         """One cache per layer: the algorithm's cache on patched layers, mlx-lm's
         own type (e.g. RotatingKVCache) on sliding-window layers. The layers of
         one prompt cache share one prompt phase. `probe`: fn(caches.base.Seen),
-        called with what every patched attention call sees."""
+        called with what every patched attention call sees. `max_kv_size` (also
+        read from mlx-lm's make_prompt_cache): the budget of these caches."""
+        asked, kv_bits = mlx_flags.requested()
+        mlx_flags.check_kv_bits(kv_bits)
+        make, options = self._make, self.options
+        if max_kv_size is not None or asked is not None:
+            make, options = self._for_budget(max_kv_size or asked)
         base = self._original_caches()
         n, phase = len(self.sites), PromptPhase()
         caches = []
@@ -85,11 +94,18 @@ class Patch:
             if s.sliding:
                 caches.append(base[s.index])
                 continue
-            cache = self._make(self.options, s.index, n)
+            cache = make(options, s.index, n)
             cache.phase, cache.probe = phase, probe
             caches.append(cache)
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches
+
+    def _for_budget(self, max_kv_size: int):
+        if max_kv_size not in self._by_budget:
+            opts = mlx_flags.budget_options(self.algo, self.requested, max_kv_size)
+            cls, bound = make_options(self.cache_cls, opts, self.model)
+            self._by_budget[max_kv_size] = (cls.for_options(bound), bound)
+        return self._by_budget[max_kv_size]
 
     def _original_caches(self) -> list:
         prior = self._prior_make_cache
@@ -167,8 +183,9 @@ def apply(model, algo: str = "full", **options) -> Patch:
         patcher.check_target(target)
     if all(s.sliding for s in sites):
         raise UnsupportedModelError("every layer uses sliding-window attention")
-    patch = Patch(model, adapter, sites, cache_cls, opts)
+    patch = Patch(model, adapter, sites, cache_cls, opts, options)
     patch._install()
+    register_with_mlx_lm()  # so mlx-lm's load_prompt_cache finds our classes
     return patch
 
 

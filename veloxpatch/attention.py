@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import mlx_flags
 from .caches.base import VeloxCache
 from .errors import PatchStateError
 
@@ -24,6 +25,14 @@ def patched_forward(site, wrapped, attn, args, kwargs):
             "make_prompt_cache, or no prompt_cache), or restore the patch to use "
             "mlx-lm's own caches"
         )
+    if cache.layer != site.index:
+        raise PatchStateError(
+            f"layer {site.index} was given the cache of layer {cache.layer} (a "
+            "cache list from another model, or out of order)"
+        )
+    if not cache.flags_checked:  # mlx-lm's kv_bits would bypass us later
+        mlx_flags.check_kv_bits(mlx_flags.kv_bits_in_stack())
+        cache.flags_checked = True
     if isinstance(call.get("mask"), mx.array):
         # Our caches never hand mlx-lm an array mask, so this is a padded batch or
         # a caller's own mask, which the cache cannot honour.

@@ -159,6 +159,11 @@ class A2ATSCache(VeloxCache):
     def end_prompt(self):
         self.decoding = True
 
+    def truncate_rows(self, n):
+        super().truncate_rows(n)
+        if self.codes is not None:
+            self.codes = self.codes[..., :n]
+
     # ---- attention ----------------------------------------------------------------
     def attention(self, q, keys, values, mask, scale):
         o, T = self.options, keys.shape[2]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import _BaseCache
 
 from ..errors import PatchStateError, UnsupportedCacheOperation
@@ -74,10 +75,17 @@ class VeloxCache(RowStorage, _BaseCache):
         self.phase_ends = 0  # prompt ends this cache has acted on
         self.scale = None  # the softmax scale of the layer, known after a call
         self.probe = None  # fn(Seen), called on every attention call
+        self.flags_checked = False  # mlx-lm's kv_bits looked for (attention.py)
 
     # ---- the patched forward calls this -------------------------------------
     def attend(self, q, k, v, *, rope, scale, query_scale=None):
         L = q.shape[2]
+        if self.keys is not None and self.keys.shape[1::2] != k.shape[1::2]:
+            raise PatchStateError(
+                f"this cache holds {self.keys.shape[1]} KV heads of width "
+                f"{self.keys.shape[3]}, the layer gives {k.shape[1]} of width "
+                f"{k.shape[3]}: a cache from another model"
+            )
         if L > 1 and self.rows and k.shape[0] != self.keys.shape[0]:
             raise PatchStateError("batch size changed while the cache holds tokens")
         offset = self.offset
@@ -182,10 +190,18 @@ class VeloxCache(RowStorage, _BaseCache):
         return self.keys is None
 
     def is_trimmable(self):
-        return False
+        return True
 
     def trim(self, n):
-        return 0
+        """Forget the last `n` tokens (speculative decoding, prompt-cache reuse):
+        their rows go and `offset` moves back. Rows evicted while those tokens
+        were held stay evicted, and what they added to running statistics
+        (accumulated attention, query moments) stays added."""
+        n = max(0, min(int(n), self.offset))
+        if n and self.keys is not None:
+            self.forget_after(self.offset - n)
+        self.offset -= n
+        return n
 
     @property
     def nbytes(self):
@@ -193,15 +209,17 @@ class VeloxCache(RowStorage, _BaseCache):
 
     @property
     def state(self):
-        """Every array the cache holds, by name (what `save_cache` writes)."""
+        """Every array the cache holds, by name, and its meta state as JSON under
+        "meta": all mlx-lm's save_prompt_cache writes and from_state reads."""
         # mlx-lm evaluates `state` after each prefill chunk, never while decoding:
         # the one signal that tells its lone last chunk from the last token.
         self.phase.chunk_evaluated()
-        return self.arrays()
+        return {**self.arrays(), "meta": json.dumps(self.meta_state)}
 
     @state.setter
     def state(self, st):
-        st = dict(st or {})
+        st = dict(tree_flatten(dict(st or {}), destination={}))  # mlx-lm nests "a.b"
+        st.pop("meta", None)  # read by from_state
         self.load_storage(st)
         self.load_extra_state(st)
 
@@ -219,6 +237,7 @@ class VeloxCache(RowStorage, _BaseCache):
             "layer": self.layer,
             "num_layers": self.num_layers,
             "padded": self.padded,
+            "scale": self.scale,
             "phase_seen": self.phase_ends,
             **self.phase.as_meta(),
             **self.extra_meta(),
@@ -231,6 +250,7 @@ class VeloxCache(RowStorage, _BaseCache):
         self.layer = int(m["layer"])
         self.num_layers = int(m["num_layers"])
         self.padded = bool(m["padded"])
+        self.scale = None if m.get("scale") is None else float(m["scale"])
         self.phase = PromptPhase.from_meta(m)
         self.phase_ends = int(m["phase_seen"])
         self.load_extra_meta(m)
@@ -241,7 +261,11 @@ class VeloxCache(RowStorage, _BaseCache):
         return cls
 
     @classmethod
-    def from_state(cls, state, meta_state):
+    def from_state(cls, state, meta_state=None):
+        """A cache from its state (and meta state, which mlx-lm's
+        load_prompt_cache does not pass: then the JSON inside the state)."""
+        if meta_state is None:
+            meta_state = json.loads(dict(state)["meta"])
         options = cls.Options.create(cls.name, json.loads(meta_state["options"]))
         cache = cls.for_options(options)(options)
         cache.state = state
@@ -250,13 +274,9 @@ class VeloxCache(RowStorage, _BaseCache):
 
     # ---- mlx-lm features that would silently drop the algorithm ---------------
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        raise UnsupportedCacheOperation(
-            "mlx-lm's kv_bits quantization is not supported with veloxpatch caches "
-            "(it would silently swap them for a plain quantized cache); drop "
-            "kv_bits and pass it to veloxpatch.apply instead (any evicting "
-            "algorithm, or algo='kivi'), or restore the patch to use mlx-lm's "
-            "QuantizedKVCache"
-        )
+        from ..mlx_flags import KV_BITS_ERROR
+
+        raise UnsupportedCacheOperation(KV_BITS_ERROR)
 
     @classmethod
     def merge(cls, caches):

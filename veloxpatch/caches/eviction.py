@@ -82,10 +82,10 @@ class EvictingCache(VeloxCache):
 
     @classmethod
     def for_options(cls, options):
-        if options.kv_bits is None:
-            return cls
-        from .kv_bits import quantized_variant
+        from .kv_bits import QuantizedKV, quantized_variant
 
+        if options.kv_bits is None or issubclass(cls, QuantizedKV):
+            return cls  # (the variant itself, e.g. rebuilt from mlx-lm's file)
         return quantized_variant(cls)
 
     # ---- hooks ------------------------------------------------------------------
@@ -107,9 +107,6 @@ class EvictingCache(VeloxCache):
             self.evict_to(self.row_budget(), self.scores(q))
 
     # ---- machinery ----------------------------------------------------------------
-    def is_trimmable(self):
-        return False
-
     def protected_mask(self, pos: mx.array) -> mx.array:
         """Rows never evicted: the sinks and the `recent` newest rows."""
         keep = pos < self.options.sinks

@@ -7,12 +7,3 @@ from .base import VeloxCache
 class FullCache(VeloxCache):
     name = "full"
     summary = "keeps everything; bit-identical to unpatched mlx-lm (parity reference)"
-
-    def is_trimmable(self):
-        return True  # speculative decoding and trim_prompt_cache rely on this
-
-    def trim(self, n):
-        n = min(self.rows, n)
-        self.rows -= n
-        self.offset -= n
-        return n

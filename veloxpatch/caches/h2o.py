@@ -60,6 +60,11 @@ class H2OCache(ProbabilityCache):
         super().keep_rows(idx, pos)
         self.acc = mx.take_along_axis(self.acc, idx, axis=-1)
 
+    def truncate_rows(self, n):
+        super().truncate_rows(n)
+        if self.acc is not None:
+            self.acc = self.acc[..., :n]
+
     def side_arrays(self):
         return super().side_arrays() + ([self.acc] if self.acc is not None else [])
 

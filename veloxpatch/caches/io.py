@@ -19,6 +19,23 @@ from .base import VeloxCache
 FORMAT = 1
 
 
+def register_with_mlx_lm() -> None:
+    """Let mlx-lm's load_prompt_cache rebuild veloxpatch caches: it looks class
+    names up in `mlx_lm.models.cache`'s globals. Adds names, replaces none; run
+    by `apply` and `load_cache` (importing veloxpatch changes nothing)."""
+    from . import ALGORITHMS
+    from .eviction import EvictingCache
+    from .kv_bits import quantized_variant
+
+    for cls in ALGORITHMS.values():
+        variants = [cls]
+        if issubclass(cls, EvictingCache):
+            variants.append(quantized_variant(cls))
+        for c in variants:
+            if getattr(mlx_cache, c.__name__, c) is c:
+                setattr(mlx_cache, c.__name__, c)
+
+
 def save_cache(path: str, caches, metadata: dict | None = None) -> None:
     arrays, index = {}, []
     for i, c in enumerate(caches):
@@ -54,6 +71,7 @@ def save_cache(path: str, caches, metadata: dict | None = None) -> None:
 def load_cache(path: str, return_metadata: bool = False):
     from . import ALGORITHMS
 
+    register_with_mlx_lm()
     arrays, meta = mx.load(str(path), return_metadata=True)
     try:
         info = json.loads(meta["veloxpatch"])

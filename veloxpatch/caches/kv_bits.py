@@ -141,6 +141,28 @@ class QuantizedKV:
         keys = mx.concatenate([keys, self.keys], axis=2)
         return keys, mx.concatenate([values, self.values], axis=2)
 
+    def truncate_rows(self, n):
+        tq = self.quantized
+        if n >= tq:
+            self.keys, self.values = (
+                self.keys[:, :, : n - tq],
+                self.values[:, :, : n - tq],
+            )
+        else:
+            B, H = self.keys.shape[:2]
+            self.store.take(mx.broadcast_to(mx.arange(n, dtype=mx.int32), (B, H, n)))
+            self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
+        if self.positions is not None:  # held exactly, not in a grown buffer
+            self.positions = self.positions[..., :n]
+        self.rows = n
+
+    def trim(self, n):
+        n = super().trim(n)
+        if n and self.window_q is not None:
+            kept = self.window_q.shape[2] - n
+            self.window_q = self.window_q[:, :, :kept] if kept > 0 else None
+        return n
+
     def take_stored(self, idx):
         idx = idx.astype(mx.int32)  # argsort gives uint32: row - tq must go negative
         tq = self.quantized

@@ -124,6 +124,15 @@ class SnapKVCache(EvictingCache):
         elif self.rows > self.row_budget():
             self.compress()
 
+    def trim(self, n):
+        n = super().trim(n)
+        if n and self.window_queries is not None:
+            kept = self.window_queries.shape[2] - n
+            self.window_queries = self.window_queries[:, :, :kept] if kept > 0 else None
+        if self.prompt_end is not None and self.prompt_end > self.offset:
+            self.prompt_end = None  # the prompt end itself was trimmed
+        return n
+
     def side_arrays(self):
         side = super().side_arrays()
         return side + [self.window_queries] if self.window_queries is not None else side

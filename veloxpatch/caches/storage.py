@@ -93,6 +93,26 @@ class RowStorage:
         n_rep = n_q_heads // pos.shape[1]
         return mx.repeat(mask, n_rep, axis=1) if n_rep > 1 else mask
 
+    def truncate_rows(self, n: int) -> None:
+        """Keep the first `n` stored rows of every head (the buffer stays)."""
+        self.rows = n
+
+    def forget_after(self, position: int) -> None:
+        """Drop every row at `position` or later. Rows are in position order per
+        head (padding last), so each head loses a suffix; heads left shorter
+        than the longest are padded."""
+        if self.positions is None:  # dense: row t holds position t
+            self.truncate_rows(min(self.rows, position))
+            return
+        # the whole buffer: rows past `rows` hold padding or later positions
+        self.positions = mx.where(
+            self.positions < position, self.positions, PAD_POSITION
+        )
+        kept = self.positions[..., : self.rows] != PAD_POSITION
+        n_keep = int(kept.sum(-1).max().item())
+        self.truncate_rows(n_keep)
+        self.padded = bool((self.positions[..., :n_keep] == PAD_POSITION).any().item())
+
     def positions_view(self) -> mx.array:
         """Absolute position of every stored row, [B, Hkv, T] int32."""
         if self.positions is not None:
