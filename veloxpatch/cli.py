@@ -1,31 +1,20 @@
-"""`veloxpatch` command line. User errors print one line and exit 2."""
+"""`veloxpatch` command line. User errors print one line and exit 2; every
+option is checked (cli_checks) before a model loads or any work starts."""
 
 from __future__ import annotations
 
-import functools
 import sys
 import textwrap
 
 import click
 
 from . import blas
+from .cli_checks import Count, Finite, Group, NonEmpty, UserError, user_errors
+
+_user_errors = user_errors  # the name the subcommand modules import
 
 
-def _user_errors(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        from .errors import VeloxpatchError
-
-        try:
-            return fn(*args, **kwargs)
-        except (VeloxpatchError, FileNotFoundError) as e:
-            click.echo(f"veloxpatch: error: {e}", err=True)
-            sys.exit(2)
-
-    return run
-
-
-@click.group()
+@click.group(cls=Group)
 @click.version_option(package_name="veloxpatch")
 def main():
     """Query-aware KV-cache compression for mlx-lm models."""
@@ -35,6 +24,7 @@ def main():
 @main.command()
 @click.option(
     "--model",
+    type=NonEmpty(),
     default=None,
     help="GGUF file, mlx-lm model dir or hub id "
     "(default: the embedded SmolLM2-135M-Instruct)",
@@ -48,9 +38,11 @@ def main():
     metavar="KEY=VALUE",
     help="algorithm option, repeatable",
 )
-@click.option("--prompt", default=None, help="prompt text (default: read stdin)")
-@click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temp", type=float, default=0.0, show_default=True)
+@click.option("--prompt", default=None, help="prompt text, UTF-8 (default: read stdin)")
+@click.option("--max-tokens", type=Count(1), default=128, show_default=True)
+@click.option(
+    "--temp", type=Finite(0), default=0.0, show_default=True, help="0: greedy"
+)
 @click.option(
     "--chat/--no-chat",
     default=None,
@@ -68,19 +60,21 @@ def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, qua
     from mlx_lm.sample_utils import make_sampler
 
     from .api import apply, make_options
+    from .cli_checks import read_prompt
     from .eval.arms import parse_pairs
     from .memory import full_kv_bytes, kv_bytes
     from .models import chat_prompt, load
 
     options = parse_pairs(algo_args)
     if budget is not None:
+        if "budget" in options:
+            raise UserError("budget given twice: --budget and --algo-arg budget=")
         options["budget"] = budget
     make_options(algo, options)  # fail before the slow load
-    if prompt is None:
-        prompt = sys.stdin.read()
-    if not prompt.strip():
-        raise click.UsageError("empty prompt: give --prompt or pipe text on stdin")
+    prompt = read_prompt(prompt)
     m, tokenizer = load(model, quantized=quantized)
+    if chat and getattr(tokenizer, "chat_template", None) is None:
+        raise UserError("--chat: the model has no chat template (use --no-chat)")
     prompt = chat_prompt(tokenizer, prompt, chat)
     with apply(m, algo=algo, **options) as patch:
         caches = patch.make_cache()
@@ -139,11 +133,16 @@ def list_(verbose):
 
 @main.command("adapter-check")
 @click.argument("cls", metavar="MODULE.CLASS")
+@_user_errors
 def adapter_check(cls):
     """Signature and source hash of an attention class's __call__, as an
     adapter pins them (same as `python -m model_adapters.check`)."""
     from model_adapters import check
 
+    try:
+        check.resolve(cls)  # bad input: the one-line error every command gives
+    except LookupError as e:
+        raise UserError(str(e)) from None
     sys.exit(check.main([cls]))
 
 

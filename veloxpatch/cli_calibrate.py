@@ -8,41 +8,73 @@ import sys
 import click
 
 from .cli import _user_errors, main
+from .cli_checks import (
+    Count,
+    NonEmpty,
+    OutputFile,
+    TextSource,
+    UserError,
+    refuse_existing,
+    refuse_unread,
+)
+
+SUFFIX = ".safetensors"  # mx.save_safetensors appends it to a name without it
 
 
 @main.command()
-@click.option("--model", default=None, help="default: the embedded SmolLM2")
+@click.option(
+    "--model", type=NonEmpty(), default=None, help="default: the embedded SmolLM2"
+)
 @click.option("--algo", default="qfilters", show_default=True)
-@click.option("--out", required=True, help="calibration file (safetensors)")
-@click.option("--tokens", type=int, default=4096, show_default=True)
+@click.option(
+    "--out",
+    type=OutputFile(SUFFIX),
+    required=True,
+    help=f"calibration file, its name ending in {SUFFIX}",
+)
+@click.option("--force", is_flag=True, help="overwrite --out if it exists")
+@click.option("--tokens", type=Count(1), default=4096, show_default=True)
 @click.option(
     "--text",
+    type=TextSource(),
     default="calibration",
     show_default=True,
-    help="prose: the built-in calibration half, or a file",
+    help="prose: the built-in calibration half, or a UTF-8 file",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=Count(0), default=0, show_default=True)
 @click.option(
-    "--codebook-size", type=int, default=4096, show_default=True, help="a2ats"
+    "--codebook-size", type=Count(1), default=4096, show_default=True, help="a2ats"
 )
 @click.option(
     "--far-position", type=int, default=2048, show_default=True, help="a2ats: b"
 )
 @_user_errors
-def calibrate(model, algo, out, tokens, text, seed, codebook_size, far_position):
+def calibrate(model, algo, out, force, tokens, text, seed, codebook_size, far_position):
     """Calibrate ALGO (qfilters, a2ats) on the model's own queries; save to OUT."""
     import mlx.core as mx
 
     from . import calibration, models
+    from .eval.text import check_length, prose_length
 
     calibration.check_algo(algo)  # before the slow load
-    if tokens < 1:
-        raise click.UsageError("--tokens must be positive")
-    if algo == "a2ats" and not 1 <= codebook_size <= min(tokens, 65536):
-        raise click.UsageError(
-            f"--codebook-size must be between 1 and the token count ({tokens})"
-        )
+    if algo == "a2ats":
+        from .api import make_options
+        from .codebook import MAX_KEYS
+
+        # far_position: the check of the option a codebook is later used with
+        make_options(algo, {"far_position": far_position})
+        most = min(tokens, MAX_KEYS)
+        if codebook_size > most:
+            raise UserError(
+                f"--codebook-size must be at most {most:,} (the keys captured: "
+                f"--tokens, up to {MAX_KEYS:,}), got {codebook_size:,}"
+            )
+    else:
+        ctx = click.get_current_context()
+        refuse_unread(ctx, ("codebook_size", "far_position"), f"for a2ats, not {algo}")
+    refuse_existing(force, out=out)
     loaded, tokenizer = models.load(model)
+    check_length(prose_length(tokenizer, text), tokens, text)  # before any work
     with click.progressbar(
         length=tokens, label="calibration tokens", file=sys.stderr
     ) as bar:

@@ -8,15 +8,47 @@ import sys
 import click
 
 from .cli import _user_errors, main
+from .cli_checks import (
+    Count,
+    Counts,
+    NonEmpty,
+    OutputFile,
+    TextSource,
+    UserError,
+    refuse_existing,
+    refuse_unread,
+)
 
 
-def _ints(text: str) -> list[int]:
-    from .errors import OptionError
+def _arms(text: str, budgets: list[int]):
+    """The arms `--arms` and `--budgets` name: at least one, none twice, and
+    every budget used by some arm."""
+    from .eval.arms import expand, split_arms
 
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise OptionError(f"expected comma-separated integers, got {text!r}") from None
+    texts = split_arms(text)
+    if not texts:
+        raise UserError(f"--arms names no arm, got {text!r}")
+    arms = expand(texts, budgets)
+    if budgets and [a.label for a in arms] == [a.label for a in expand(texts)]:
+        raise UserError(
+            "--budgets applies to no arm (each names its budget or takes none)"
+        )
+    labels = [a.label for a in arms]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise UserError(f"--arms names {', '.join(twice)} twice")
+    return arms
+
+
+def _config() -> dict:
+    """The parameters as the results file records them: lists as the user wrote
+    them (comma-separated), --force left out (it is not part of the run)."""
+    params = click.get_current_context().params
+    return {
+        k: ",".join(map(str, v)) if isinstance(v, list) else v
+        for k, v in params.items()
+        if k != "force"
+    }
 
 
 def _check_arms(arms):
@@ -71,20 +103,29 @@ def _progress(total: int, label: str):
 
 
 common = [
-    click.option("--model", default=None, help="default: the embedded SmolLM2"),
+    click.option(
+        "--model", type=NonEmpty(), default=None, help="default: the embedded SmolLM2"
+    ),
     click.option(
         "--arms",
         required=True,
         help="NAME[:key=value,...],... e.g. snapkv,mlx.rotating",
     ),
-    click.option("--budgets", default="", help="budgets for arms that name none"),
-    click.option("--prefill-step-size", type=int, default=2048, show_default=True),
+    click.option(
+        "--budgets",
+        type=Counts(1, empty_ok=True),
+        default="",
+        help="budgets for arms that name none",
+    ),
+    click.option("--prefill-step-size", type=Count(1), default=2048, show_default=True),
     click.option(
         "--text",
+        type=TextSource(),
         default="evaluation",
-        help="prose: the built-in evaluation half, or a file",
+        help="prose: the built-in evaluation half, or a UTF-8 file",
     ),
-    click.option("--out", required=True, help="results JSON"),
+    click.option("--out", type=OutputFile(), required=True, help="results JSON"),
+    click.option("--force", is_flag=True, help="overwrite --out (and --plot)"),
 ]
 
 
@@ -107,39 +148,55 @@ def _with(options):
 )
 @click.option("--continuation", type=int, default=256, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--plot", "plot_path", default=None, help="PNG: quality against budget")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=OutputFile(),
+    default=None,
+    help="image (PNG, PDF, SVG...): quality against budget",
+)
 @_user_errors
-def eval_(model, arms, budgets, out, tasks, plot_path, **task_options):
+def eval_(model, arms, budgets, out, force, tasks, plot_path, **task_options):
     """Passkey accuracy, perplexity and agreement with full, per arm."""
     from . import models
     from .eval import harness
-    from .eval.arms import expand, split_arms
     from .eval.metrics import Arm
     from .eval.runinfo import run_info, write_results
+    from .eval.tasks import TASKS
 
     # each task takes the options it reads (its fields) and checks them now
     task_list = harness.make_tasks(harness.parse_tasks(tasks), task_options)
-    arm_list = expand(split_arms(arms), _ints(budgets))
+    read = {name for task in task_list for name in task.options()}
+    unread = [n for cls in TASKS.values() for n in cls.options() if n not in read]
+    refuse_unread(
+        click.get_current_context(),
+        dict.fromkeys(unread),
+        f"not read by --tasks {tasks}",
+    )
+    arm_list = _arms(arms, budgets)
     if not any(a.algo == "full" and not a.options for a in arm_list):
         arm_list.insert(0, Arm("full"))  # the reference every table needs
     arm_list, skipped = _check_arms(arm_list)
+    refuse_existing(force, out=out, plot=plot_path)
+    if plot_path:
+        from .eval.plot import check_path
+
+        check_path(plot_path)  # matplotlib missing or the format unknown: now
     for s in skipped:
         click.echo(f"skipped {s['arm']}: {s['reason']}", err=True)
-    if plot_path:
-        from .eval.plot import plot, require
-
-        require()  # a missing matplotlib fails now, not after the run
     info = run_info()
     loaded, tokenizer = models.load(model)
     results = {
         "run": info,
-        "config": dict(click.get_current_context().params),
+        "config": _config(),
         "skipped": skipped,
     }
     results.update(harness.run_tasks(loaded, tokenizer, arm_list, task_list, _progress))
     write_results(out, results)
     click.echo(harness.format_tables(results, task_list))
     if plot_path:
+        from .eval.plot import plot
+
         plot(results, plot_path)
         click.echo(f"plot: {plot_path}")
     click.echo(f"results: {out}")
@@ -147,32 +204,39 @@ def eval_(model, arms, budgets, out, tasks, plot_path, **task_options):
 
 @main.command("bench")
 @_with(common)
-@click.option("--contexts", default="1000,2000,4000", show_default=True)
-@click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--decode-tokens", type=int, default=32, show_default=True)
+@click.option("--contexts", type=Counts(1), default="1000,2000,4000", show_default=True)
+@click.option("--repeats", type=Count(1), default=3, show_default=True)
+@click.option("--decode-tokens", type=Count(1), default=32, show_default=True)
 @_user_errors
 def bench(
-    model, arms, budgets, prefill_step_size, text, out, contexts, repeats, decode_tokens
+    model,
+    arms,
+    budgets,
+    prefill_step_size,
+    text,
+    out,
+    force,
+    contexts,
+    repeats,
+    decode_tokens,
 ):
     """Prefill/decode tok/s, KV bytes and peak memory vs unpatched mlx-lm."""
     from . import models
     from .eval import bench as bench_mod
-    from .eval.arms import expand, split_arms
     from .eval.runinfo import run_info, write_results
 
-    arm_list = expand(split_arms(arms), _ints(budgets))
-    arm_list, skipped = _check_arms(arm_list)
+    arm_list, skipped = _check_arms(_arms(arms, budgets))
+    refuse_existing(force, out=out)
     for s in skipped:
         click.echo(f"skipped {s['arm']}: {s['reason']}", err=True)
-    ctx = _ints(contexts)
     info = run_info()
     loaded, tokenizer = models.load(model)
-    with _progress(len(ctx) * repeats, "repeats") as bar:
+    with _progress(len(contexts) * repeats, "repeats") as bar:
         raw, table = bench_mod.run(
             loaded,
             tokenizer,
             arm_list,
-            ctx,
+            contexts,
             repeats=repeats,
             decode_tokens=decode_tokens,
             step=prefill_step_size,
@@ -183,7 +247,7 @@ def bench(
         out,
         {
             "run": info,
-            "config": dict(click.get_current_context().params),
+            "config": _config(),
             "skipped": skipped,
             "table": table,
             "raw": raw,

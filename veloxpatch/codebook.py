@@ -24,9 +24,12 @@ from .errors import CalibrationError
 from .probe import rows_at, run_probe, sample_positions
 
 RIDGE = 1e-3  # relative to the normalised H (trace D)
+MAX_KEYS = 16384  # keys captured per layer: a codebook has at most this many codes
 
 
-def capture(model, ids, far_position, chunk=1024, max_vectors=16384, seed=0, tick=None):
+def capture(
+    model, ids, far_position, chunk=1024, max_vectors=MAX_KEYS, seed=0, tick=None
+):
     """Per layer (keys [Hkv, n, D], rotated queries [Hq, n, D]) at up to
     `max_vectors` seeded positions of `ids`; None for sliding-window layers."""
     wanted = sample_positions(len(ids), max_vectors, seed)

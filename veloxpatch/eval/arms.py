@@ -27,6 +27,8 @@ def parse_pairs(pairs) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise OptionError(f"expected KEY=VALUE, got {pair!r}")
+        if key.strip() in out:
+            raise OptionError(f"option {key.strip()!r} given twice")
         out[key.strip()] = parse_value(value.strip())
     return out
 

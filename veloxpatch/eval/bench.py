@@ -18,7 +18,7 @@ from ..memory import kv_bytes
 from . import peers
 from .metrics import Arm
 from .sessions import arm_caches, mlx_kind
-from .text import prose_tokens
+from .text import check_length, prose_length, prose_tokens
 
 BASELINE = Arm("unpatched")
 
@@ -65,7 +65,9 @@ def run(
     text="evaluation",
     tick=lambda: None,
 ):
-    """Raw measurements and the per (context, arm) table of medians and ratios."""
+    """Raw measurements and the per (context, arm) table of medians and ratios.
+    A text too short for the longest context is refused before anything runs."""
+    check_length(prose_length(tokenizer, text), max(contexts, default=0), text)
     arms = [BASELINE] + [a for a in arms if a.label != BASELINE.label]
     raw = []
     for context in contexts:

@@ -29,7 +29,10 @@ def make_tasks(names: list[str], params: dict) -> list[EvalTask]:
 
 def run_tasks(model, tokenizer, arms, tasks: list[EvalTask], progress) -> dict:
     """Results by task name; `progress(total, label)` is a context manager
-    whose `update(1)` marks a step done."""
+    whose `update(1)` marks a step done. Every task checks that its text is
+    long enough before any runs."""
+    for task in tasks:
+        task.check_fits(tokenizer)
     results = {}
     for task in tasks:
         with progress(task.steps(), task.progress_label) as bar:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..errors import VeloxpatchError
 
 PANELS = (
@@ -30,6 +32,20 @@ def require():
             "--plot needs matplotlib: pip install 'veloxpatch[plot]'"
         ) from None
     return plt
+
+
+def check_path(path: str) -> None:
+    """`--plot`'s file, before any work: matplotlib is installed and the suffix
+    names a format it writes (without one it would write `path.png`)."""
+    require()
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if Path(path).suffix.lstrip(".").lower() not in formats:
+        raise VeloxpatchError(
+            f"--plot must end in a format matplotlib writes "
+            f"({', '.join('.' + f for f in sorted(formats))}), got {path!r}"
+        )
 
 
 def plot(results: dict, path: str) -> None:

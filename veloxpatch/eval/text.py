@@ -11,17 +11,45 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from ..errors import OptionError
+
 SPLITS = ("calibration", "evaluation")
+
+
+def check_source(split: str) -> None:
+    """A built-in half's name, or a readable UTF-8 text file; OptionError says
+    what is wrong (the CLI checks `--text` with this before any model loads)."""
+    if split in SPLITS:
+        return
+    _read(split)
+
+
+def _read(split: str) -> str:
+    path = Path(split)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "is not a file"
+        raise OptionError(
+            f"--text must be {' or '.join(SPLITS)} or a text file; {split!r} {what}"
+        )
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise OptionError(f"cannot read --text {split}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OptionError(
+            f"--text {split} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+            f"offset {e.start})"
+        ) from None
 
 
 @functools.lru_cache(maxsize=4)
 def prose(split: str = "evaluation") -> str:
-    """A half of the built-in prose, or (any other value) a text file's content."""
+    """A half of the built-in prose, or (any other value) a UTF-8 text file's
+    content."""
     if split not in SPLITS:
-        path = Path(split)
-        if not path.is_file():
-            raise ValueError(f"text must be one of {SPLITS} or a file, got {split!r}")
-        return path.read_text(encoding="utf-8", errors="replace")
+        return _read(split)
     calibration, evaluation = _halves()
     return calibration if split == "calibration" else evaluation
 
@@ -54,13 +82,20 @@ def _halves() -> tuple[str, str]:
 def prose_tokens(tokenizer, n: int, split: str = "evaluation", start: int = 0):
     """`n` tokens of prose (after skipping `start` tokens), as a list of ids."""
     ids = _encoded(tokenizer, split)
-    if start + n > len(ids):
-        raise ValueError(f"only {len(ids)} tokens of {split} prose, asked {start + n}")
+    check_length(len(ids), start + n, split)
     return ids[start : start + n]
 
 
 def prose_length(tokenizer, split: str = "evaluation") -> int:
     return len(_encoded(tokenizer, split))
+
+
+def check_length(available: int, needed: int, split: str) -> None:
+    """OptionError when `split` has fewer than `needed` tokens."""
+    if needed > available:
+        raise OptionError(
+            f"--text {split} has {available:,} tokens, fewer than the {needed:,} needed"
+        )
 
 
 _ENCODED: dict = {}

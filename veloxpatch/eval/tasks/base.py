@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, ClassVar
 
 from ...errors import OptionError
@@ -33,6 +32,11 @@ class EvalTask:
         ignored; a missing one keeps the field's default)."""
         return cls(**{k: params[k] for k in cls.options() if k in params})
 
+    def check_fits(self, tokenizer) -> None:
+        """Raise OptionError when this task's text is too short for its options
+        (called once the model is loaded, before any task runs). Tasks that
+        read prose override it."""
+
     def steps(self) -> int:
         """How many times `run` calls `tick` (the progress total)."""
         raise NotImplementedError
@@ -52,10 +56,7 @@ def require(ok: bool, message: str) -> None:
 
 
 def check_text(text: str) -> None:
-    """A built-in prose half or a readable file (eval.text.prose reads it)."""
-    from ..text import SPLITS
+    """A built-in prose half or a readable UTF-8 file (eval.text.prose reads it)."""
+    from ..text import check_source
 
-    require(
-        text in SPLITS or Path(text).is_file(),
-        f"--text must be one of {', '.join(SPLITS)} or a file, got {text!r}",
-    )
+    check_source(text)

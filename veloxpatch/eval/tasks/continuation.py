@@ -7,9 +7,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ...errors import OptionError
 from ..metrics import evaluate_continuation
-from ..text import prose_length, prose_tokens
+from ..text import check_length, prose_length, prose_tokens
 from .base import EvalTask, check_text, require
 
 
@@ -37,16 +36,19 @@ class ContinuationTask(EvalTask):
         require(self.prefill_step_size >= 1, "--prefill-step-size must be positive")
         check_text(self.text)
 
+    def check_fits(self, tokenizer) -> None:
+        total = prose_length(tokenizer, self.text)
+        check_length(total, self.context + self.continuation, self.text)
+
     def steps(self) -> int:
         return self.segments
 
     def run(self, model, tokenizer, arms, tick) -> dict:
         """Raw rows and per-arm means of perplexity, agreement and KL against
         full, over `segments` stretches of prose spread over the text."""
+        self.check_fits(tokenizer)
         total = prose_length(tokenizer, self.text)
         span = self.context + self.continuation
-        if span > total:
-            raise OptionError(f"the text has {total} tokens, fewer than {span} needed")
         segments = self.segments
         stride = (total - span) // max(1, segments - 1) if segments > 1 else 0
         rows = []

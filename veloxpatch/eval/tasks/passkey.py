@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..passkey import make_cases
 from ..runner import run_case, summarize
+from ..text import check_length, prose_length
 from .base import EvalTask, check_text, require
 
 # make_case spends about this many tokens on the instructions, needle and question
@@ -33,6 +34,11 @@ class PasskeyTask(EvalTask):
         require(self.cases >= 1, f"--cases must be at least 1, got {self.cases}")
         require(self.prefill_step_size >= 1, "--prefill-step-size must be positive")
         check_text(self.text)
+
+    def check_fits(self, tokenizer) -> None:
+        # each case reads context - TEMPLATE_TOKENS tokens of prose
+        total = prose_length(tokenizer, self.text)
+        check_length(total, self.context - TEMPLATE_TOKENS, self.text)
 
     def steps(self) -> int:
         return self.cases
