@@ -1,4 +1,5 @@
-"""Damaged GGUF files: a clear one-line error each, never a crash.
+"""Damaged model files (GGUF; a model directory's safetensors): one clear
+one-line error each, never a crash.
 
 mx.load trusts a GGUF header and dies with SIGSEGV/SIGFPE on a damaged one, so
 every case is loaded in a subprocess: a crash fails that case instead of the
@@ -208,7 +209,7 @@ def test_damaged_headers_give_one_clear_error(tmp_path):
     results = run_all(paths, tmp_path)
     for (name, _), path, r in zip(CASES.items(), paths, results):
         assert "rc" not in r, f"{name}: the loader crashed: {r}"
-        assert "GGUFFileError" in r.get("error", []), f"{name}: {r}"
+        assert "ModelFileError" in r.get("error", []), f"{name}: {r}"
         assert "\n" not in r["message"] and str(path) in r["message"], name
 
 
@@ -292,13 +293,22 @@ def test_the_embedded_models_header_damaged(tmp_path):
         assert "damaged or unreadable GGUF" in lines[0], name
 
 
-def test_missing_or_unreadable_paths(tmp_path):
-    from veloxpatch.gguf import GGUFFileError, read_gguf
+def test_a_model_directory_with_a_damaged_shard(tmp_path):
+    from veloxpatch.models import ModelFileError, load
 
-    with pytest.raises(GGUFFileError, match="not found"):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model.safetensors").write_bytes(b"\x10" + bytes(7) + b"{}")
+    with pytest.raises(ModelFileError, match="model.safetensors: damaged"):
+        load(tmp_path)
+
+
+def test_missing_or_unreadable_paths(tmp_path):
+    from veloxpatch.gguf import ModelFileError, read_gguf
+
+    with pytest.raises(ModelFileError, match="not found"):
         read_gguf(tmp_path / "missing.gguf")
-    with pytest.raises(GGUFFileError, match="cannot read"):
+    with pytest.raises(ModelFileError, match="cannot read"):
         read_gguf(tmp_path)
     (tmp_path / "empty.gguf").write_bytes(b"")
-    with pytest.raises(GGUFFileError, match="no GGUF header"):
+    with pytest.raises(ModelFileError, match="no GGUF header"):
         read_gguf(tmp_path / "empty.gguf")

@@ -50,8 +50,8 @@ class ModelLoadError(VeloxpatchError):
     """A model could not be loaded; the message says why and what to do instead."""
 
 
-class GGUFFileError(ModelLoadError, FileFormatError):
-    """A GGUF file that is damaged, or that mlx cannot read."""
+class ModelFileError(ModelLoadError, FileFormatError):
+    """A model file (GGUF, safetensors) that is damaged or that mlx cannot read."""
 
 
 def _value(meta: dict, key: str, default=None):
@@ -64,9 +64,9 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
     """Return ``(weights, metadata)`` of a GGUF file, wrapping mlx's errors.
     The header is checked first: mlx trusts it and crashes on a damaged one."""
     try:
-        check_gguf(path, GGUFFileError)
-    except GGUFFileError as e:
-        raise GGUFFileError(f"{e}. {CONVERT_HINT}") from None
+        check_gguf(path, ModelFileError)
+    except ModelFileError as e:
+        raise ModelFileError(f"{e}. {CONVERT_HINT}") from None
     try:
         return mx.load(str(path), return_metadata=True)
     except Exception as e:  # mlx raises bare ValueError/RuntimeError here
