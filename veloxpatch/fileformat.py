@@ -294,7 +294,7 @@ def check_safetensors(path, error=FileFormatError) -> dict:
             or not offsets[0] <= offsets[1] <= data_size
         ):
             raise fail(
-                f"tensor {name!r} data_offsets {offsets!r} lie outside the "
+                f"tensor {name!r} has data_offsets {offsets!r}, not within the "
                 f"{data_size}-byte data section (truncated?)"
             )
         count = 1
