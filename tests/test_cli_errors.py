@@ -91,7 +91,10 @@ BEFORE_LOAD = [
         f"{CAL} --algo a2ats --tokens 30000 --codebook-size 20000",
         "--codebook-size must be at most 16,384",
     ),
-    (f"{CAL} --algo a2ats --far-position -1", "far_position must be >= 0, got -1"),
+    (
+        f"{CAL} --algo a2ats --far-position -1",
+        "far_position must be >= 0 and <= 2147483647, got -1",
+    ),
     (f"{CAL} --codebook-size 256", "--codebook-size is for a2ats, not qfilters"),
     ("eval --arms snapkv --out adir", "--out names a directory: adir"),
     (

@@ -23,3 +23,11 @@ class UnsupportedCacheOperation(VeloxpatchError):
 
 class CalibrationError(VeloxpatchError):
     """A calibration file that does not fit the model, or cannot be read."""
+
+
+class FileFormatError(VeloxpatchError):
+    """A GGUF or safetensors file that is damaged or that mlx cannot read."""
+
+
+class CacheFileError(FileFormatError):
+    """A saved cache file that is missing, damaged or not a veloxpatch cache."""

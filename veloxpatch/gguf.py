@@ -14,7 +14,8 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
-from .errors import VeloxpatchError
+from .errors import FileFormatError, VeloxpatchError
+from .fileformat import check_gguf
 
 CONVERT_HINT = (
     "Convert the original Hugging Face checkpoint with "
@@ -49,6 +50,10 @@ class ModelLoadError(VeloxpatchError):
     """A model could not be loaded; the message says why and what to do instead."""
 
 
+class ModelFileError(ModelLoadError, FileFormatError):
+    """A model file (GGUF, safetensors) that is damaged or that mlx cannot read."""
+
+
 def _value(meta: dict, key: str, default=None):
     # mx.load returns numeric metadata as 0-d mx.arrays.
     v = meta.get(key, default)
@@ -56,7 +61,12 @@ def _value(meta: dict, key: str, default=None):
 
 
 def read_gguf(path: str | Path) -> tuple[dict, dict]:
-    """Return ``(weights, metadata)`` of a GGUF file, wrapping mlx's errors."""
+    """Return ``(weights, metadata)`` of a GGUF file, wrapping mlx's errors.
+    The header is checked first: mlx trusts it and crashes on a damaged one."""
+    try:
+        check_gguf(path, ModelFileError)
+    except ModelFileError as e:
+        raise ModelFileError(f"{e}. {CONVERT_HINT}") from None
     try:
         return mx.load(str(path), return_metadata=True)
     except Exception as e:  # mlx raises bare ValueError/RuntimeError here

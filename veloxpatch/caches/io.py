@@ -3,6 +3,11 @@
 mlx-lm's `load_prompt_cache` only rebuilds classes it defines, so veloxpatch
 writes its own index: per layer, the algorithm (or mlx-lm class, for sliding
 layers) and its meta state, as JSON in the file's metadata.
+
+The file is written at exactly the path given (no `.safetensors` appended) and
+read from exactly the path given, whatever its suffix; it carries a checksum of
+its arrays and metadata (`checked_io`). A missing, truncated, damaged or foreign
+file, or an index that does not describe caches, raises `CacheFileError`.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from ..errors import VeloxpatchError
+from ..checked_io import load_checked, save_checked, verify
+from ..errors import CacheFileError, VeloxpatchError
 from .base import VeloxCache
 
-FORMAT = 1
+FORMAT = 2  # 2: checksummed, written at the exact path
+INDEX_KEY = "veloxpatch"
 
 
 def register_with_mlx_lm() -> None:
@@ -36,7 +43,7 @@ def register_with_mlx_lm() -> None:
                 setattr(mlx_cache, c.__name__, c)
 
 
-def save_cache(path: str, caches, metadata: dict | None = None) -> None:
+def save_cache(path, caches, metadata: dict | None = None) -> None:
     arrays, index = {}, []
     for i, c in enumerate(caches):
         if isinstance(c, VeloxCache):
@@ -60,36 +67,83 @@ def save_cache(path: str, caches, metadata: dict | None = None) -> None:
                 entry["scalars"][key] = value
         entry["arrays"] = [k for k, v in flat if isinstance(v, mx.array)]
         index.append(entry)
-    meta = {
-        "veloxpatch": json.dumps(
-            {"format": FORMAT, "caches": index, "metadata": metadata or {}}
+    info = {"format": FORMAT, "caches": index, "metadata": metadata or {}}
+    save_checked(path, arrays, {INDEX_KEY: json.dumps(info)}, CacheFileError)
+
+
+def load_cache(path, return_metadata: bool = False):
+    register_with_mlx_lm()
+    arrays, meta = load_checked(path, CacheFileError, "cache")
+    if INDEX_KEY not in meta:
+        raise CacheFileError(f"{path} is not a veloxpatch cache file")
+    verify(path, arrays, meta, CacheFileError, "cache")
+    entries, metadata = _index(path, meta)
+    caches = [_rebuild(path, i, entry, arrays) for i, entry in enumerate(entries)]
+    return (caches, metadata) if return_metadata else caches
+
+
+def _index(path, meta) -> tuple[list, dict]:
+    """(per-layer entries, user metadata) of the index, checked for types."""
+    try:
+        info = json.loads(meta[INDEX_KEY])
+    except ValueError:
+        raise CacheFileError(f"{path}: damaged cache index (not JSON)") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        found = info.get("format") if isinstance(info, dict) else None
+        raise CacheFileError(
+            f"{path}: cache file format {found!r}, this veloxpatch reads {FORMAT}"
         )
-    }
-    mx.save_safetensors(str(path), arrays, meta)
+    entries, metadata = info.get("caches"), info.get("metadata")
+    if not isinstance(entries, list) or not isinstance(metadata, dict):
+        raise CacheFileError(f"{path}: damaged cache index (no cache list)")
+    for i, e in enumerate(entries):
+        ok = (
+            isinstance(e, dict)
+            and e.get("kind") in ("veloxpatch", "mlx_lm")
+            and isinstance(e.get("arrays"), list)
+            and all(isinstance(k, str) for k in e["arrays"])
+            and isinstance(e.get("scalars"), dict)
+        )
+        if not ok:
+            raise CacheFileError(f"{path}: damaged cache index (layer {i})")
+    return entries, metadata
 
 
-def load_cache(path: str, return_metadata: bool = False):
+def _cache_class(path, i, entry):
     from . import ALGORITHMS
 
-    register_with_mlx_lm()
-    arrays, meta = mx.load(str(path), return_metadata=True)
+    if entry["kind"] == "veloxpatch":
+        cls, name, meta_type = ALGORITHMS.get(entry.get("algo")), "algorithm", dict
+    else:
+        cls = getattr(mlx_cache, str(entry.get("class")), None)
+        if not (isinstance(cls, type) and issubclass(cls, mlx_cache._BaseCache)):
+            cls = None
+        name, meta_type = "mlx-lm cache", (list, type(None))
+    if cls is None:
+        found = entry.get("algo", entry.get("class"))
+        raise CacheFileError(f"{path}: layer {i} has unknown {name} {found!r}")
+    if not isinstance(entry.get("meta"), meta_type):
+        raise CacheFileError(f"{path}: damaged cache index (layer {i} meta state)")
+    return cls
+
+
+def _rebuild(path, i, entry, arrays):
+    cls = _cache_class(path, i, entry)
+    missing = [k for k in entry["arrays"] if f"{i}/{k}" not in arrays]
+    if missing:
+        raise CacheFileError(f"{path}: layer {i} lacks arrays {missing}")
+    flat = [(k, arrays[f"{i}/{k}"]) for k in entry["arrays"]]
+    flat += list(entry["scalars"].items())
     try:
-        info = json.loads(meta["veloxpatch"])
-        assert info["format"] == FORMAT
-    except (KeyError, ValueError, AssertionError):
-        raise VeloxpatchError(f"{path} is not a veloxpatch cache file") from None
-    caches = []
-    for i, entry in enumerate(info["caches"]):
-        flat = [(k, arrays[f"{i}/{k}"]) for k in entry["arrays"]]
-        flat += list(entry["scalars"].items())
         if entry["kind"] == "veloxpatch":
-            cls = ALGORITHMS[entry["algo"]]
-            caches.append(cls.from_state(dict(flat), entry["meta"]))
-        else:
-            cls = getattr(mlx_cache, entry["class"])
-            state = tree_unflatten(flat) if flat and flat[0][0].isdigit() else flat
-            c = cls.from_state(state)
-            if entry["meta"] is not None:
-                c.meta_state = tuple(entry["meta"])
-            caches.append(c)
-    return (caches, info["metadata"]) if return_metadata else caches
+            return cls.from_state(dict(flat), entry["meta"])
+        state = tree_unflatten(flat) if flat and flat[0][0].isdigit() else flat
+        c = cls.from_state(state)
+        if entry["meta"] is not None:
+            c.meta_state = tuple(entry["meta"])
+        return c
+    except Exception as e:  # the state was written by another version, or edited
+        raise CacheFileError(
+            f"{path}: layer {i} ({cls.__name__}) does not load from its saved "
+            f"state: {type(e).__name__}: {e}"
+        ) from None
