@@ -78,18 +78,33 @@ class Patch:
         own type (e.g. RotatingKVCache) on sliding-window layers. The layers of
         one prompt cache share one prompt phase. `probe`: fn(caches.base.Seen),
         called with what every patched attention call sees."""
+        self._check_still_split_as_applied()
         base = self._original_caches()
-        n, phase = len(self.sites), PromptPhase()
+        phase = PromptPhase()
         caches = []
         for s in self.sites:
             if s.sliding:
                 caches.append(base[s.index])
                 continue
-            cache = self._make(self.options, s.index, n)
-            cache.phase, cache.probe = phase, probe
+            # layers are numbered in the whole model (pipeline stages hold a run)
+            shards = s.shards
+            n = shards.num_layers or len(self.sites)
+            cache = self._make(self.options, shards.layer_offset + s.index, n)
+            cache.phase, cache.probe, cache.shards = phase, probe, shards
             caches.append(cache)
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches
+
+    def _check_still_split_as_applied(self) -> None:
+        """`model.shard()` or a pipeline split after `apply` would leave the caches
+        reducing over a part of the heads, or numbering layers locally."""
+        was = self.sites[0].shards.layout
+        now = self.adapter.shards(self.model).layout
+        if was != now or len(self.model.layers) != len(self.sites):
+            raise PatchStateError(
+                "the model was sharded after veloxpatch.apply; restore the patch, "
+                "shard the model (model.shard / pipeline), then apply again"
+            )
 
     def _original_caches(self) -> list:
         prior = self._prior_make_cache

@@ -31,6 +31,9 @@ def patched_forward(site, wrapped, attn, args, kwargs):
             "padded batches and custom attention masks are not supported with "
             "veloxpatch caches; use batch size 1 or equal-length prompts"
         )
+    # how the model is split across processes, for statistics over all heads
+    # (a cache loaded from a file was built without a model)
+    cache.shards = site.shards
     B, L, _ = x.shape
     q, k, v = target.project(attn, x)
     query_scale = None

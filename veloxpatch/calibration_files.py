@@ -105,6 +105,14 @@ def read_checked(path, model, fmt: str, what: str):
     """(arrays, metadata, our fingerprint) of a calibration file, after checking
     that it exists, is readable, has format `fmt` and matches `model`."""
     path = os.fspath(path)
+    from model_adapters import adapter_for
+
+    if adapter_for(model).shards(model).split:
+        # the fingerprint and the per-head arrays describe the whole model
+        raise CalibrationError(
+            f"{what} files cannot be used on a sharded model (model.shard or "
+            "pipeline) yet; run without the file"
+        )
     if not os.path.isfile(path):
         raise CalibrationError(f"{what} file not found: {path}")
     try:

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from ..errors import PatchStateError, UnsupportedCacheOperation
+from ..sharding import LOCAL
 from .options import CacheOptions
 from .phase import PromptPhase
 from .storage import PAD_POSITION, RowStorage
@@ -74,6 +75,7 @@ class VeloxCache(RowStorage, _BaseCache):
         self.phase_ends = 0  # prompt ends this cache has acted on
         self.scale = None  # the softmax scale of the layer, known after a call
         self.probe = None  # fn(Seen), called on every attention call
+        self.shards = LOCAL  # the model's split across processes (sharding.py)
 
     # ---- the patched forward calls this -------------------------------------
     def attend(self, q, k, v, *, rope, scale, query_scale=None):
