@@ -17,6 +17,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxpatch.sharding import LOCAL, Shards
+
+from .sharding import model_shards
+
 
 @dataclass(frozen=True)
 class AttentionTarget:
@@ -86,6 +90,9 @@ class ModelDims:
     head_dims: tuple[int, ...]
     ropes: tuple[Any, ...]  # each layer's rope module (A2ATS checks it)
     sliding: tuple[bool, ...]  # these layers keep mlx-lm's own cache
+    # how the model is split across processes (veloxpatch.sharding); the
+    # counts above are this rank's (its heads, its layers)
+    shards: Shards = LOCAL
 
     @property
     def layers(self) -> int:
@@ -100,6 +107,7 @@ class LayerSite:
     attention: Any
     target: AttentionTarget
     sliding: bool  # sliding-window layers keep mlx-lm's own cache
+    shards: Shards = LOCAL  # the model's split; global layer = offset + index
 
 
 class Adapter:
@@ -116,6 +124,7 @@ class Adapter:
     def sites(self, model) -> list[LayerSite]:
         target = self.target_for(model)
         cls = target.resolve()
+        shards = self.shards(model)
         sites = []
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
@@ -126,23 +135,33 @@ class Adapter:
                     f"layer {i} attention is {type(attn).__module__}."
                     f"{type(attn).__name__}, expected {target.key}"
                 )
-            sites.append(LayerSite(i, attn, target, _is_sliding(model, i, layer)))
+            sliding = _is_sliding(model, shards.layer_offset + i, layer)
+            sites.append(LayerSite(i, attn, target, sliding, shards))
         return sites
+
+    def shards(self, model) -> Shards:
+        """How mlx-lm split the model across processes (model_adapters.sharding);
+        raises if its heads were split unevenly."""
+        return model_shards(model, [layer.self_attn for layer in model.layers])
 
     def dims(self, model) -> ModelDims:
         attn = [layer.self_attn for layer in model.layers]
+        shards = self.shards(model)
         return ModelDims(
             heads=tuple(int(a.n_heads) for a in attn),
             kv_heads=tuple(int(a.n_kv_heads) for a in attn),
             head_dims=tuple(head_dim(a) for a in attn),
             ropes=tuple(a.rope for a in attn),
             sliding=tuple(
-                _is_sliding(model, i, la) for i, la in enumerate(model.layers)
+                _is_sliding(model, shards.layer_offset + i, la)
+                for i, la in enumerate(model.layers)
             ),
+            shards=shards,
         )
 
 
 def _is_sliding(model, index: int, layer) -> bool:
+    """`index`: the layer's global index (layer types list every layer)."""
     if getattr(layer, "use_sliding", False):
         return True
     types = getattr(getattr(model, "args", None), "layer_types", None)

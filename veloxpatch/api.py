@@ -84,18 +84,22 @@ class Patch:
         read from mlx-lm's make_prompt_cache): the budget of these caches."""
         asked, kv_bits = mlx_flags.requested()
         mlx_flags.check_kv_bits(kv_bits)
+        self._check_still_split_as_applied()
         make, options = self._make, self.options
         if max_kv_size is not None or asked is not None:
             make, options = self._for_budget(max_kv_size or asked)
         base = self._original_caches()
-        n, phase = len(self.sites), PromptPhase()
+        phase = PromptPhase()
         caches = []
         for s in self.sites:
             if s.sliding:
                 caches.append(base[s.index])
                 continue
-            cache = make(options, s.index, n)
-            cache.phase, cache.probe = phase, probe
+            # layers are numbered in the whole model (pipeline stages hold a run)
+            shards = s.shards
+            n = shards.num_layers or len(self.sites)
+            cache = make(options, shards.layer_offset + s.index, n)
+            cache.phase, cache.probe, cache.shards = phase, probe, shards
             caches.append(cache)
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches
@@ -106,6 +110,17 @@ class Patch:
             cls, bound = make_options(self.cache_cls, opts, self.model)
             self._by_budget[max_kv_size] = (cls.for_options(bound), bound)
         return self._by_budget[max_kv_size]
+
+    def _check_still_split_as_applied(self) -> None:
+        """`model.shard()` or a pipeline split after `apply` would leave the caches
+        reducing over a part of the heads, or numbering layers locally."""
+        was = self.sites[0].shards.layout
+        now = self.adapter.shards(self.model).layout
+        if was != now or len(self.model.layers) != len(self.sites):
+            raise PatchStateError(
+                "the model was sharded after veloxpatch.apply; restore the patch, "
+                "shard the model (model.shard / pipeline), then apply again"
+            )
 
     def _original_caches(self) -> list:
         prior = self._prior_make_cache

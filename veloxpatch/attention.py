@@ -25,9 +25,10 @@ def patched_forward(site, wrapped, attn, args, kwargs):
             "make_prompt_cache, or no prompt_cache), or restore the patch to use "
             "mlx-lm's own caches"
         )
-    if cache.layer != site.index:
+    layer = site.shards.layer_offset + site.index  # numbered in the whole model
+    if cache.layer != layer:
         raise PatchStateError(
-            f"layer {site.index} was given the cache of layer {cache.layer} (a "
+            f"layer {layer} was given the cache of layer {cache.layer} (a "
             "cache list from another model, or out of order)"
         )
     if not cache.flags_checked:  # mlx-lm's kv_bits would bypass us later
@@ -40,6 +41,9 @@ def patched_forward(site, wrapped, attn, args, kwargs):
             "padded batches and custom attention masks are not supported with "
             "veloxpatch caches; use batch size 1 or equal-length prompts"
         )
+    # how the model is split across processes, for statistics over all heads
+    # (a cache loaded from a file was built without a model)
+    cache.shards = site.shards
     B, L, _ = x.shape
     q, k, v = target.project(attn, x)
     query_scale = None

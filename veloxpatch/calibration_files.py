@@ -109,6 +109,14 @@ def read_checked(path, model, fmt: str, what: str):
     """(arrays, metadata, our fingerprint) of a calibration file, after checking
     that it exists, is readable and intact, has format `fmt` and matches
     `model`."""
+    from model_adapters import adapter_for
+
+    if adapter_for(model).shards(model).split:
+        # the fingerprint and the per-head arrays describe the whole model
+        raise CalibrationError(
+            f"{what} files cannot be used on a sharded model (model.shard or "
+            "pipeline) yet; run without the file"
+        )
     arrays, meta = load_checked(path, CalibrationError, what)
     if meta.get("format") != fmt:
         raise CalibrationError(

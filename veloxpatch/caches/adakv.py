@@ -5,6 +5,7 @@ Over the prefix (window excluded), take the layer-wide top H x (budget - w)
 scores of all heads; c_h is how many fall in head h; head h keeps
 round(c_h (1 - alpha) + alpha (budget - w)) prefix rows plus the window. Heads
 are stored padded to the largest head, padding masked out and counted in nbytes.
+On a sharded model the heads of every rank compete (`sharding.py`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ class AdaKVCache(SnapKVCache):
         # Heads compete only for the prefix: sinks and window are kept anyway.
         free = (pos != PAD_POSITION) & ~self.protected_mask(pos)
         prefix_budget = o.budget - o.protected()
-        counts = head_budgets(mx.where(free, scores, -mx.inf), prefix_budget, o.alpha)
-        counts = counts + o.protected()
-        self.evict_to(int(counts.max().item()), scores, counts)
+        # every KV head of the layer competes, those of other ranks included
+        competing = self.shards.all_heads(mx.where(free, scores, -mx.inf))
+        counts = head_budgets(competing, prefix_budget, o.alpha) + o.protected()
+        # every rank pads to the layer's largest head, as unsharded
+        n_keep = int(counts.max().item())
+        self.evict_to(n_keep, scores, self.shards.my_heads(counts))
         self.compressed_rows = self.rows

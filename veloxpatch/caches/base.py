@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import _BaseCache
 
 from ..errors import PatchStateError, UnsupportedCacheOperation
+from ..sharding import LOCAL
 from .options import CacheOptions
 from .phase import PromptPhase
 from .storage import PAD_POSITION, RowStorage
@@ -76,6 +77,7 @@ class VeloxCache(RowStorage, _BaseCache):
         self.scale = None  # the softmax scale of the layer, known after a call
         self.probe = None  # fn(Seen), called on every attention call
         self.flags_checked = False  # mlx-lm's kv_bits looked for (attention.py)
+        self.shards = LOCAL  # the model's split across processes (sharding.py)
 
     # ---- the patched forward calls this -------------------------------------
     def attend(self, q, k, v, *, rope, scale, query_scale=None):

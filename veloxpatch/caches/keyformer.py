@@ -53,7 +53,11 @@ class KeyformerCache(H2OCache):
     def weights(self, logits, probs):
         o = self.options
         key = mx.random.key(o.seed * 1_000_003 + self.layer * 7_919 + self.calls)
-        noise = mx.random.gumbel(logits.shape, key=key)
+        # drawn for every KV head of the layer, so a sharded model's ranks get
+        # the noise of their own heads, as unsharded
+        B, Hkv, *rest = logits.shape
+        every = mx.random.gumbel((B, Hkv * self.shards.size, *rest), key=key)
+        noise = self.shards.my_heads(every)
         L = logits.shape[3]
         tau = o.tau_init if L > 1 else self.tau()
         self.calls += 1

@@ -173,7 +173,8 @@ class QuantizedKV:
             # The first n rows every head keeps from quantized storage stay there;
             # a head's later quantized rows go to the residual, dequantized.
             lead = mx.cumprod((idx < tq).astype(mx.int32), axis=-1).sum(-1)
-            n = int(lead.min().item())
+            # over the heads of every rank, so every rank quantizes the same rows
+            n = int(self.shards.all_heads(lead).min().item())
             rest = idx[..., n:]
             if rest.shape[-1]:
                 old = self.store.clone()
@@ -206,10 +207,10 @@ class QuantizedKV:
         if self._adaptive and self.store is None and self.window_q is not None:
             entropy = self.head_entropy()  # of the attention the prompt really had
             super().end_prompt()
+            # the layer's heads share the bits, those of other ranks included
             total = layer_total(self.options.target_bits, len(entropy), self.layer)
-            self.store = QuantizedStore(
-                allocate_bits(entropy, total), self.options.kv_group
-            )
+            bits = allocate_bits(entropy, total)[self.shards.head_slice(len(entropy))]
+            self.store = QuantizedStore(bits, self.options.kv_group)
             self.window_q = None
         else:
             super().end_prompt()
@@ -217,14 +218,15 @@ class QuantizedKV:
 
     def head_entropy(self) -> list[float]:
         """Entropy of each KV head's attention (mean over the window's queries and
-        the query heads of its group)."""
+        the query heads of its group), for every KV head of the layer (of every
+        rank, on a sharded model)."""
         keys, _ = self._view()
         L = self.window_q.shape[2]
         _, p = query_probs(
             self.window_q, keys, self.positions_view(), self.offset - L, self.scale
         )
         ent = -mx.where(p > 0, p * mx.log(p), 0.0).sum(-1)  # [B, Hkv, G, L]
-        return ent.mean(axis=(0, 2, 3)).tolist()
+        return self.shards.all_heads(ent.mean(axis=(0, 2, 3)), axis=0).tolist()
 
     def _flush(self) -> None:
         """Quantize the oldest whole groups beyond `kv_residual` rows."""

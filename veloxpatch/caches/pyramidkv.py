@@ -4,6 +4,8 @@ layers, larger in lower layers, whose mean over layers is `budget`.
 Prefix budget of layer l: k_l = max - l (max - min) / (L - 1) with
 min = (budget - w) / beta and max = 2 (budget - w) - min; the window is added
 to each. Rounding is distributed so the layers' rows sum to budget x L exactly.
+l and L count the whole model's layers, also on a pipeline stage that holds
+only some of them.
 """
 
 from __future__ import annotations

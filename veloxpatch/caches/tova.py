@@ -1,7 +1,8 @@
 """`tova` (Oren et al., 2024): token omission via attention.
 
 When over budget, drop the rows the current last query attends to least,
-averaged over all query heads of the layer (every head keeps the same tokens).
+averaged over all query heads of the layer (every head keeps the same tokens;
+on a sharded model the heads of every rank).
 Works in prefill (the last query of the chunk) and every decode step; sinks
 protected.
 """
@@ -19,10 +20,10 @@ class TOVACache(ProbabilityCache):
     observed = "last"
 
     def observe(self, logits, probs):
-        last = probs[:, :, :, -1, :]  # [B, Hkv, G, T]
-        B, Hkv = last.shape[:2]
-        mean = last.mean(axis=(1, 2))  # over every query head of the layer
-        self.last_scores = mx.broadcast_to(mean[:, None, :], (B, Hkv, mean.shape[-1]))
+        self.last_probs = probs[:, :, :, -1, :]  # [B, Hkv, G, T]
 
     def scores(self, q):
-        return self.last_scores
+        B, Hkv, _, T = self.last_probs.shape
+        # over every query head of the layer, those of other ranks included
+        mean = self.shards.all_heads(self.last_probs).mean(axis=(1, 2))
+        return mx.broadcast_to(mean[:, None, :], (B, Hkv, T))

@@ -1,0 +1,175 @@
+"""One rank of the sharded-model test (`test_sharded.py` launches it with
+`mlx.launch -n 2 --backend ring` on loopback).
+
+Every rank builds the same seeded tiny model twice: one stays whole, the other
+is split over the ranks (`model.shard()`, heads; `model.model.pipeline()`,
+layers). For every algorithm (CONTRACT's small budgets, so that the run evicts
+in prefill and in decode) both generate greedily through mlx-lm; the rank
+records whether its tokens equal the whole model's and whether each of its
+caches keeps, per KV head, exactly the positions the whole model's cache of that
+layer keeps for that head. Results go to OUT/rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import greedy  # noqa: E402
+from test_contract import CONTRACT, HEAD_DIM, QUANTIZED, has_kv_bits  # noqa: E402
+from tiny import prompt_tokens, tiny_model  # noqa: E402
+
+import veloxpatch  # noqa: E402
+from veloxpatch.caches.base import PAD_POSITION, VeloxCache  # noqa: E402
+from veloxpatch.errors import VeloxpatchError  # noqa: E402
+
+PROMPT, NEW, STEP = 44, 8, 13  # prompt tokens, generated tokens, prefill chunk
+LAYERS = 2  # pipeline: one layer per rank
+# kv_bits variants of the algorithms that quantize rows before they evict them
+# (those that hold the whole prompt until it ends): their eviction moves a
+# head's extra quantized rows, decided over all heads of the layer
+QUANTIZE_FIRST = ("snapkv", "adakv", "qfilters")
+
+
+def variants() -> list[tuple[str, str, dict]]:
+    """(id, algo, options): every algorithm, kv_bits on those that quantize
+    before evicting, and adaptive bit widths (shared by all heads of a layer)."""
+    out = []
+    for algo in veloxpatch.algos():
+        opts = CONTRACT[algo]
+        out.append((algo, algo, opts))
+        if algo in QUANTIZE_FIRST:
+            assert has_kv_bits(algo)
+            out.append((f"{algo}-kv8", algo, {**opts, **QUANTIZED}))
+    # 2.5 bits a head: the two heads of a layer share 5, so they differ
+    adaptive = dict(kv_bits="adaptive", target_bits=2.5, kv_residual=4)
+    out.append(("snapkv-kvadaptive", "snapkv", {**CONTRACT["snapkv"], **adaptive}))
+    kivi = dict(bits="adaptive", target_bits=2.5, residual=4)
+    out.append(("kivi-adaptive", "kivi", kivi))
+    return out
+
+
+def held(cache) -> dict | None:
+    """What a cache holds: per batch item and KV head the positions (padding
+    left out), per KV head the bit width, and how many rows are quantized."""
+    if not isinstance(cache, VeloxCache):
+        return None
+    pos = cache.positions_view().tolist()
+    store = getattr(cache, "store", None)
+    return {
+        "kept": [[sorted(p for p in h if p != PAD_POSITION) for h in b] for b in pos],
+        "bits": None if store is None else list(store.bits),
+        "quantized": getattr(cache, "quantized", None),
+    }
+
+
+def my_heads(whole: dict, lo: int, n: int) -> dict:
+    """The whole model's cache of a layer, restricted to KV heads lo .. lo + n - 1."""
+    bits = whole["bits"]
+    return {
+        "kept": [b[lo : lo + n] for b in whole["kept"]],
+        "bits": None if bits is None else bits[lo : lo + n],
+        "quantized": whole["quantized"],
+    }
+
+
+def run(model, algo, opts, prompt):
+    with veloxpatch.patched(model, algo=algo, **opts) as patch:
+        caches = patch.make_cache()
+        tokens, _ = greedy(
+            model, prompt, n=NEW, prefill_step_size=STEP, prompt_cache=caches
+        )
+        return tokens, [held(c) for c in caches]
+
+
+def compare(whole, split, shards, heads_per_rank: int) -> dict:
+    """Tokens and, per layer this rank holds, what it holds for its heads."""
+    tokens_w, held_w = whole
+    tokens_s, held_s = split
+    lo = shards.rank * heads_per_rank
+    bad = []
+    for i, mine in enumerate(held_s):
+        layer = shards.layer_offset + i
+        ref = held_w[layer]
+        want = None if ref is None else my_heads(ref, lo, heads_per_rank)
+        if mine != want:
+            bad.append({"layer": layer, "rank": mine, "whole": want})
+    return {
+        "tokens": tokens_s,
+        "whole_tokens": tokens_w,
+        "tokens_equal": tokens_s == tokens_w,
+        "kept_equal": not bad,
+        "mismatch": bad[:1],
+    }
+
+
+def refusals(group) -> dict:
+    """Heads that do not divide, and a model sharded after apply: clear errors."""
+    out = {}
+    odd = tiny_model("llama", num_attention_heads=6, num_key_value_heads=3, head_dim=16)
+    odd.shard(group)
+    try:
+        veloxpatch.apply(odd, "tova", **CONTRACT["tova"])
+        out["uneven"] = None
+    except VeloxpatchError as e:
+        out["uneven"] = str(e)
+    late = tiny_model("llama", head_dim=HEAD_DIM)
+    patch = veloxpatch.apply(late, "snapkv", **CONTRACT["snapkv"])
+    late.shard(group)
+    try:
+        patch.make_cache()
+        out["sharded_after_apply"] = None
+    except VeloxpatchError as e:
+        out["sharded_after_apply"] = str(e)
+    patch.restore()
+    return out
+
+
+def main(out_dir: str) -> None:
+    group = mx.distributed.init()
+    rank = group.rank()
+    prompt = prompt_tokens(PROMPT)
+    result: dict = {"rank": rank, "size": group.size(), "runs": {}}
+    # tensor parallel on llama (4 query heads, 2 KV heads: one per rank), and
+    # pipeline stages on qwen2 (rank 1 runs layer 0, rank 0 layer 1)
+    for split in ("tensor", "pipeline"):
+        if split == "tensor":
+            config = dict(arch="llama", head_dim=HEAD_DIM)
+        else:  # qwen2 has no head_dim option: 4 heads of 32
+            config = dict(arch="qwen2", hidden_size=4 * HEAD_DIM)
+        whole = tiny_model(**config, num_hidden_layers=LAYERS)
+        model = tiny_model(**config, num_hidden_layers=LAYERS)
+        if split == "tensor":
+            model.shard(group)
+        else:
+            model.model.pipeline(group)
+        from model_adapters import adapter_for
+
+        shards = adapter_for(model).shards(model)
+        kv_here = model.layers[0].self_attn.n_kv_heads
+        for name, algo, opts in variants():
+            start = time.perf_counter()
+            try:
+                got = compare(
+                    run(whole, algo, opts, prompt),
+                    run(model, algo, opts, prompt),
+                    shards,
+                    kv_here,
+                )
+            except Exception:
+                got = {"error": traceback.format_exc()}
+            got["seconds"] = round(time.perf_counter() - start, 2)
+            result["runs"][f"{split}/{name}"] = got
+    result["refusals"] = refusals(group)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

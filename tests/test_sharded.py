@@ -1,0 +1,164 @@
+"""Sharded models under `mlx.launch`: two processes on loopback (ring backend)
+run `sharded_worker.py`, which compares a tensor-sharded (`model.shard()`) and a
+pipeline-sharded tiny model with the whole one for every algorithm: greedy
+tokens, and per layer and KV head the positions kept (plus bit widths and
+quantized rows where quantized). Also: heads that do not divide by the group
+size, and a model sharded after `apply`, are clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny import tiny_model
+
+import veloxpatch
+from veloxpatch.errors import CalibrationError, UnsupportedModelError
+
+HERE = Path(__file__).parent
+RANKS = 2
+TIMEOUT_S = 240  # ~30 s on an idle two-core machine; collectives slow under load
+
+
+def launcher() -> str | None:
+    """mlx.launch of this interpreter's environment, else the one on PATH."""
+    beside = Path(sys.executable).parent / "mlx.launch"
+    return str(beside) if beside.exists() else shutil.which("mlx.launch")
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free on loopback (the ring backend listens on
+    one port per rank from --starting-port)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n > 65535:
+            continue
+        try:
+            for p in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError("no free loopback ports")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Each rank's results (sharded_worker.py writes rank{r}.json)."""
+    exe = launcher()
+    if exe is None:
+        pytest.skip("mlx.launch not found (it comes with mlx): no distributed run")
+    out = tmp_path_factory.mktemp("sharded")
+    root = str(HERE.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    cmd = [exe, "--hosts", "127.0.0.1", "-n", str(RANKS), "--backend", "ring"]
+    cmd += ["--starting-port", str(free_ports(RANKS))]
+    cmd += [sys.executable, str(HERE / "sharded_worker.py"), str(out)]
+    # its own session, so a timeout ends the ranks too, not only the launcher
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"mlx.launch did not finish in {TIMEOUT_S} s:\n{log[-3000:]}")
+    files = [out / f"rank{r}.json" for r in range(RANKS)]
+    missing = [f.name for f in files if not f.exists()]
+    assert proc.returncode == 0 and not missing, (
+        f"mlx.launch exited {proc.returncode}, missing {missing}:\n{log[-3000:]}"
+    )
+    return [json.loads(f.read_text()) for f in files]
+
+
+def test_every_rank_keeps_what_the_whole_model_keeps(ranks):
+    expected = set()
+    for algo in veloxpatch.algos():
+        expected |= {f"tensor/{algo}", f"pipeline/{algo}"}
+    failures = []
+    for result in ranks:
+        assert result["size"] == RANKS
+        assert expected <= set(result["runs"])
+        for name, run in result["runs"].items():
+            where = f"rank {result['rank']} {name}"
+            if "error" in run:
+                failures.append(f"{where}: {run['error']}")
+            elif not run["tokens_equal"]:
+                failures.append(
+                    f"{where}: tokens {run['tokens']} != {run['whole_tokens']}"
+                )
+            elif not run["kept_equal"]:
+                failures.append(f"{where}: {json.dumps(run['mismatch'])[:800]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_heads_that_do_not_divide_are_refused_before_the_first_forward(ranks):
+    for result in ranks:
+        message = result["refusals"]["uneven"]
+        assert message is not None, "apply accepted heads split unevenly"
+        assert "6 query heads and 3 KV heads do not divide by 2" in message
+        assert "\n" not in message
+
+
+def test_sharding_after_apply_is_refused(ranks):
+    for result in ranks:
+        message = result["refusals"]["sharded_after_apply"]
+        assert message is not None and "sharded after veloxpatch.apply" in message
+
+
+# ---- in one process: what apply reads off a split model (no mlx.launch needed)
+class TwoRanks:
+    """Stands in for an mlx.core.distributed.Group of two, as rank `r`."""
+
+    def __init__(self, r: int = 0):
+        self.r = r
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return self.r
+
+
+def test_uneven_heads_are_refused_by_apply():
+    model = tiny_model("llama", num_attention_heads=6, num_key_value_heads=3)
+    for layer in model.layers:  # what model.shard(group) leaves on each attention
+        attn = layer.self_attn
+        attn.q_proj.group = TwoRanks()
+        attn.n_heads //= 2
+        attn.n_kv_heads //= 2
+    with pytest.raises(UnsupportedModelError, match="3 KV heads do not divide by 2"):
+        veloxpatch.apply(model, "tova")
+    assert veloxpatch.api.patch_of(model) is None
+
+
+def test_a_pipeline_stage_numbers_its_layers_in_the_whole_model():
+    model = tiny_model("qwen2")  # 3 layers: rank 0 of 2 runs layers 1 and 2
+    model.model.pipeline(TwoRanks(0))
+    with veloxpatch.patched(model, "pyramidkv", budget=16, window=4) as patch:
+        caches = patch.make_cache()
+    assert [(c.layer, c.num_layers) for c in caches] == [(1, 3), (2, 3)]
+
+
+def test_calibration_files_are_refused_on_a_split_model():
+    model = tiny_model("qwen2")
+    model.model.pipeline(TwoRanks(1))
+    with pytest.raises(CalibrationError, match="cannot be used on a sharded model"):
+        veloxpatch.apply(model, "qfilters", filters="filters.safetensors")
