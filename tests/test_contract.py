@@ -39,6 +39,7 @@ CONTRACT = {
     # what a smaller fraction retrieves).
     "a2ats": dict(window=8, sinks=2, top=1.0),
     "kivi": dict(bits=8, residual=4),
+    "kvzip": dict(budget=12, sinks=2, window=4),
 }
 QUANTIZED = dict(kv_bits=8, kv_residual=4)
 NOT_EVICTING = {"full", "a2ats", "kivi"}

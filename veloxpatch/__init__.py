@@ -15,6 +15,7 @@ _EXPORTS = {
     "load": "models",
     "save_cache": "caches.io",
     "load_cache": "caches.io",
+    "copy_cache": "context",
     "calibrate": "calibration",
     "VeloxpatchError": "errors",
 }

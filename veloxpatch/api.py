@@ -100,6 +100,7 @@ class Patch:
             n = shards.num_layers or len(self.sites)
             cache = make(options, shards.layer_offset + s.index, n)
             cache.phase, cache.probe, cache.shards = phase, probe, shards
+            phase.members.append(weakref.ref(cache))
             caches.append(cache)
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches
@@ -130,6 +131,15 @@ class Patch:
         if cls_make is not None:
             return cls_make(self.model)
         return [KVCache() for _ in self.sites]
+
+    def prefill(self, tokens, *, tokenizer=None, chunk: int = 2048, context_start=0):
+        """The compressed prompt cache of a context, with no question: see
+        `veloxpatch.context.prefill`."""
+        from .context import prefill
+
+        return prefill(
+            self, tokens, tokenizer=tokenizer, chunk=chunk, context_start=context_start
+        )
 
     def end_prompt(self, caches=None) -> None:
         """Tell the caches the prompt is over (for callers that drive

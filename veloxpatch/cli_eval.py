@@ -149,6 +149,13 @@ def _with(options):
 @click.option("--continuation", type=int, default=256, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
+    "--protocol",
+    type=click.Choice(["aware", "agnostic"]),
+    default="aware",
+    show_default=True,
+    help="passkey: question in the compressed prompt, or asked after compression",
+)
+@click.option(
     "--plot",
     "plot_path",
     type=OutputFile(),

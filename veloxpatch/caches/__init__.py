@@ -8,6 +8,7 @@ from .h2o import H2OCache
 from .keyformer import KeyformerCache
 from .kivi import KIVICache
 from .knorm import KNormCache
+from .kvzip import KVzipCache
 from .pyramidkv import PyramidKVCache
 from .qfilters import QFiltersCache
 from .snapkv import SnapKVCache
@@ -29,6 +30,7 @@ ALGORITHMS: dict[str, type[VeloxCache]] = {
         QFiltersCache,
         KIVICache,
         A2ATSCache,
+        KVzipCache,
     )
 }
 

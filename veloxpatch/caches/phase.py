@@ -34,6 +34,7 @@ class PromptPhase:
         self.after_multi = False  # the previous call had several tokens
         self.maybe_chunk = False  # ENDING: the lone call may be mlx-lm's last chunk
         self.evaluated = False  # mlx-lm evaluated the state since the last call
+        self.members = []  # weakrefs to the caches sharing it (model-wide choices)
 
     @property
     def in_prompt(self) -> bool:
@@ -71,7 +72,7 @@ class PromptPhase:
 
     def copy(self) -> PromptPhase:
         new = PromptPhase()
-        new.__dict__.update(self.__dict__, layers=set(self.layers))
+        new.__dict__.update(self.__dict__, layers=set(self.layers), members=[])
         return new
 
     # ---- saved with each cache (every layer holds the same) -------------------

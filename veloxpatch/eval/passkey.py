@@ -62,6 +62,52 @@ def make_case(
     return PasskeyCase(ids, key, depth, seed, lead_in)
 
 
+# The question-agnostic protocol asks each compressed context twice, in two
+# phrasings, after compression; one code per context (with three labelled codes
+# uncompressed SmolLM2 confuses the labels).
+QUESTIONS = (QUESTION, "\n\nWhich number did the text tell you to remember?")
+_MARK = "\x00question\x00"
+
+
+@dataclass
+class AgnosticCase:
+    context: list[int]  # the chat template's head and the text, no question
+    questions: list[list[int]]  # each: the question, the turn change, ANSWER
+    key: str
+    depth: float
+    seed: int
+
+    def correct(self, answer: str) -> bool:
+        return self.key in answer.replace(" ", "")
+
+
+def make_agnostic_case(
+    tokenizer, context_tokens: int, depth: float, seed: int, text_split="evaluation"
+) -> AgnosticCase:
+    """The same text and key as `make_case`, split where the question starts."""
+    rng = random.Random(seed)
+    key = str(rng.randint(10000, 99999))
+    filler_len = context_tokens - 80
+    start = rng.randint(0, prose_length(tokenizer, text_split) - filler_len)
+    filler = prose_tokens(tokenizer, filler_len, text_split, start=start)
+    cut = int(round(depth * filler_len))
+    body = (
+        INTRO
+        + tokenizer.decode(filler[:cut])
+        + NEEDLE.format(key=key)
+        + tokenizer.decode(filler[cut:])
+    )
+    text = chat_prompt(tokenizer, body + _MARK)
+    plain = text == body + _MARK  # no chat template: a completion prompt
+    head, tail = text.split(_MARK)
+    tail += "\n" if plain else ""
+    context = tokenizer.encode(head, add_special_tokens=plain)
+    questions = [
+        tokenizer.encode(q + tail + ANSWER, add_special_tokens=False) for q in QUESTIONS
+    ]
+    return AgnosticCase(context, questions, key, depth, seed)
+
+
 def make_cases(
     tokenizer,
     n: int,
@@ -69,11 +115,13 @@ def make_cases(
     seed: int = 0,
     depths=(0.05, 0.95),
     text_split: str = "evaluation",
+    agnostic: bool = False,
 ):
     """`n` cases with depths spread evenly over [depths[0], depths[1]]."""
     lo, hi = depths
+    make = make_agnostic_case if agnostic else make_case
     return [
-        make_case(
+        make(
             tokenizer,
             context_tokens,
             lo + (hi - lo) * i / max(1, n - 1),

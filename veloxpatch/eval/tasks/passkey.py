@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..agnostic import run_agnostic_case
 from ..passkey import make_cases
 from ..runner import run_case, summarize
 from ..text import check_length, prose_length
@@ -24,8 +25,13 @@ class PasskeyTask(EvalTask):
     seed: int = 0
     text: str = "evaluation"
     prefill_step_size: int = 2048
+    protocol: str = "aware"  # or "agnostic": compressed before any question
 
     def __post_init__(self):
+        require(
+            self.protocol in ("aware", "agnostic"),
+            f"--protocol must be aware or agnostic, got {self.protocol!r}",
+        )
         require(
             self.context > TEMPLATE_TOKENS,
             f"passkey needs --context above {TEMPLATE_TOKENS} tokens, "
@@ -46,11 +52,18 @@ class PasskeyTask(EvalTask):
     def run(self, model, tokenizer, arms, tick) -> dict:
         """Raw rows and the per-arm table (accuracy, Wilson interval, by depth)."""
         rows = []
+        agnostic = self.protocol == "agnostic"
         cases = make_cases(
-            tokenizer, self.cases, self.context, seed=self.seed, text_split=self.text
+            tokenizer,
+            self.cases,
+            self.context,
+            seed=self.seed,
+            text_split=self.text,
+            agnostic=agnostic,
         )
+        run = run_agnostic_case if agnostic else run_case
         for case in cases:
-            rows += run_case(model, tokenizer, case, arms, self.prefill_step_size)
+            rows += run(model, tokenizer, case, arms, self.prefill_step_size)
             tick()
         return {"table": summarize(rows, arms), "raw": rows}
 

@@ -1,0 +1,193 @@
+"""kvzip and compress-then-reuse: the reconstruction pass, the global choice,
+forks, save/load, and what the compressing pass saw."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import greedy, max_abs
+from tiny import VOCAB, prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.caches.kvzip import compress_together
+from veloxpatch.context import copy_cache, repeat_inputs
+from veloxpatch.errors import OptionError
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for the repeat instruction on a tiny model."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [b % VOCAB for b in text.encode()]
+
+
+TOK = ByteTokenizer()
+
+
+def reference_scores(model, ids, rng, repeat, sinks):
+    """numpy: each layer's KVzip score of the context rows in `rng` from one
+    repeat chunk, from the probe's q/k (dense full model)."""
+    seen = {}
+    with veloxpatch.patched(model, "full") as patch:
+        caches = patch.make_cache(
+            probe=lambda s: seen.setdefault(s.layer, []).append(s)
+        )
+        model(mx.array(ids)[None], cache=caches)
+        model(mx.array(repeat)[None], cache=caches)
+    out = []
+    start, end = rng
+    for layer in sorted(seen):
+        ctx, rep = seen[layer]
+        k = np.concatenate([np.array(ctx.k[0]), np.array(rep.k[0])], axis=1)
+        q = np.array(rep.q[0])  # [Hq, L, D]
+        hkv, L = k.shape[0], q.shape[1]
+        g = q.shape[0] // hkv
+        T = len(ids)
+        cols = list(range(min(sinks, start))) + list(range(start, end))
+        cols += list(range(T, T + L))
+        scores = np.zeros((hkv, end - start))
+        for h in range(q.shape[0]):
+            kh = k[h // g][cols]
+            logits = q[h] @ kh.T * rep.scale
+            n_ctx = len(cols) - L
+            causal = np.arange(L)[None, :] <= np.arange(L)[:, None]
+            logits[:, n_ctx:] = np.where(causal, logits[:, n_ctx:], -np.inf)
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            sub = p[:, len(cols) - L - (end - start) : len(cols) - L]
+            scores[h // g] = np.maximum(scores[h // g], sub.max(0))
+        out.append(scores)
+    return out
+
+
+def test_repeat_scores_match_a_numpy_reference():
+    model = tiny_model("llama")
+    ids = prompt_tokens(40).tolist()
+    (rng, repeat), *_ = repeat_inputs(ids, TOK, chunk=64, start=0)
+    ref = reference_scores(model, ids, rng, repeat, sinks=2)
+    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2) as patch:
+        caches = patch.make_cache()
+        for c in caches:
+            c.score_prompt = False
+        model(mx.array(ids)[None], cache=caches)
+        for c in caches:
+            c.repeat = rng
+        model(mx.array(repeat)[None], cache=caches)
+        got = [np.array(c.zscore[0]) for c in caches]
+    for g, r in zip(got, ref):
+        assert np.allclose(g, r, atol=1e-5)
+
+
+def test_reconstruction_chunks_overlap_by_eight_tokens():
+    ids = list(range(20, 60))
+    chunks = repeat_inputs(ids, TOK, chunk=16, start=5)
+    assert [rng for rng, _ in chunks] == [(5, 21), (21, 37), (37, 45)]
+    second = chunks[1][1]
+    assert second[-16:] == ids[16:32] and ids[8:16] == second[-16 - 1 - 8 : -16 - 1]
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_global_choice_sums_to_budget_with_floors(layerwise):
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    ids = prompt_tokens(60).tolist()
+    opts = dict(budget=16, sinks=2, floor=0.25, layerwise=layerwise, window=4)
+    with veloxpatch.patched(model, "kvzip", **opts) as patch:
+        caches = patch.prefill(ids, tokenizer=TOK)
+    held = []
+    for c in caches:
+        pos = np.array(c.positions_view()[0])
+        assert (pos < 2**31 - 1).all() and not c.padded  # every head fills its rows
+        assert c.rows >= 4  # floor: ceil(0.25 x 16)
+        assert (pos[:, :2] == [0, 1]).all()  # sinks
+        assert (pos < 60).all()  # no repeat row left
+        assert c.offset == 60
+        held.append(c.rows * pos.shape[0])
+    total = 16 * 2 * 4  # budget x KV heads x layers
+    assert total - 2 * 4 < sum(held) <= total
+    if layerwise:
+        assert all(h == 32 for h in held)
+
+
+def test_survivors_keep_their_positions_and_nothing_of_the_repeat_remains():
+    model = tiny_model("llama")
+    ids = prompt_tokens(50).tolist()
+    with veloxpatch.patched(model, "full") as patch:
+        dense = patch.prefill(ids)
+    with veloxpatch.patched(model, "kvzip", budget=10, sinks=2) as patch:
+        caches = patch.prefill(ids, tokenizer=TOK)
+    for c, d in zip(caches, dense):
+        pos = np.array(c.positions_view()[0])
+        keys = np.array(c.keys[0, :, : c.rows])
+        full_keys = np.array(d.keys[0, :, : d.rows])
+        for h in range(pos.shape[0]):
+            for r, p in enumerate(pos[h]):
+                if p < 2**31 - 1:  # the row is the original key at its position
+                    assert np.allclose(keys[h, r], full_keys[h, p], atol=1e-5)
+
+
+def test_a_question_on_a_fork_leaves_the_context_bit_identical(tmp_path):
+    model = tiny_model("llama")
+    ids = prompt_tokens(50).tolist()
+    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2) as patch:
+        ctx = patch.prefill(ids, tokenizer=TOK)
+        before = [{k: mx.array(v) for k, v in c.arrays().items()} for c in ctx]
+        meta = [c.meta_state for c in ctx]
+        q1 = greedy(model, prompt_tokens(6, seed=3), n=5, prompt_cache=copy_cache(ctx))
+        for c, b, m in zip(ctx, before, meta):
+            assert c.meta_state == m
+            assert all(mx.array_equal(c.arrays()[k], v) for k, v in b.items())
+        q1_again = greedy(
+            model, prompt_tokens(6, seed=3), 5, prompt_cache=copy_cache(ctx)
+        )
+        assert q1[0] == q1_again[0]
+        veloxpatch.save_cache(tmp_path / "ctx.safetensors", ctx)
+        loaded = veloxpatch.load_cache(tmp_path / "ctx.safetensors")
+        q1_loaded = greedy(model, prompt_tokens(6, seed=3), 5, prompt_cache=loaded)
+    assert q1[0] == q1_loaded[0] and max_abs(q1[1], q1_loaded[1]) == 0.0
+
+
+def test_the_compressing_pass_never_sees_the_question():
+    model = tiny_model("llama")
+    ids = prompt_tokens(40).tolist()
+    question = prompt_tokens(7, seed=9).tolist()
+    seen = []
+    with veloxpatch.patched(model, "snapkv", budget=12, window=4) as patch:
+        make = patch.make_cache
+        patch.make_cache = lambda **kw: make(probe=seen.append, **kw)
+        ctx = patch.prefill(ids)
+        compressed = len(seen)
+        greedy(model, mx.array(question), n=2, prompt_cache=copy_cache(ctx))
+    # everything the compression saw was the context (offsets below 40)
+    assert all(s.offset + s.q.shape[2] <= 40 for s in seen[:compressed])
+    assert any(s.offset >= 40 for s in seen[compressed:])
+
+
+def test_kvzip_without_a_tokenizer_is_a_clear_error():
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "kvzip", budget=12) as patch:
+        with pytest.raises(OptionError, match="tokenizer"):
+            patch.prefill(prompt_tokens(30).tolist())
+        with pytest.raises(OptionError, match="token ids"):
+            patch.prefill([])
+
+
+def test_plain_generation_compresses_with_the_prompts_own_queries():
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, window=4) as patch:
+        caches = patch.make_cache()
+        greedy(model, prompt_tokens(40), n=10, prompt_cache=caches)
+    assert all(c.context_rows is not None for c in caches)
+    assert all(c.rows <= c.row_bound() for c in caches)
+
+
+def test_compress_together_uses_every_layer():
+    model = tiny_model("llama", num_hidden_layers=3)
+    with veloxpatch.patched(model, "kvzip", budget=8, sinks=1, floor=0.0) as patch:
+        caches = patch.make_cache()
+        model(prompt_tokens(30)[None], cache=caches)
+        # make layer 0's scores dominate: it takes most of the shared budget
+        caches[0].zscore = caches[0].zscore + 10.0
+        compress_together(caches)
+    rows = [c.rows * 2 for c in caches]
+    assert sum(rows) <= 8 * 2 * 3 and rows[0] > rows[1] and rows[0] > rows[2]

@@ -1,0 +1,82 @@
+"""The question-agnostic passkey protocol: each context (with its needle) is
+prefilled and compressed with no question; then each question is asked on an
+independent copy of the same compressed context, and every answer is scored.
+
+Prefills are shared as in the aware protocol (one captured dense prefill per
+context, replayed into each of our arms; one mlx-lm prefill for `unpatched` and
+`mlx.quantized`). kvzip's reconstruction scores do not depend on the budget, so
+arms that differ only in budget share one reconstruction pass.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..caches.kvzip import KVzipCache, compress_together
+from ..context import copy_cache, reconstruct
+from ..memory import kv_bytes
+from .passkey import AgnosticCase
+from .runner import answer
+from .sessions import Prefills, arm_caches
+
+
+def run_agnostic_case(
+    model, tokenizer, case: AgnosticCase, arms, prefill_step_size=2048, max_tokens=12
+) -> list[dict]:
+    prefills = Prefills(model, case.context, arms, prefill_step_size)
+    scores: dict = {}  # kvzip options but budget -> per layer reconstruction scores
+    rows = []
+    for arm in arms:
+        with arm_caches(model, arm, case.context, prefills, prefill_step_size) as (
+            caches,
+            shared,
+        ):
+            compress(model, tokenizer, arm, caches, case.context, scores)
+            held = kv_bytes(caches)  # the compressed context, kept for reuse
+            answers = [
+                answer(model, tokenizer, q, copy_cache(caches), max_tokens)
+                for q in case.questions
+            ]
+        for i, text in enumerate(answers):
+            rows.append(
+                {
+                    "arm": arm.label,
+                    "family": arm.family,
+                    "algo": arm.algo,
+                    "options": dict(arm.options),
+                    "seed": case.seed,
+                    "depth": case.depth,
+                    "key": case.key,
+                    "question": i,
+                    "context_tokens": len(case.context),
+                    "answer": text,
+                    "correct": case.correct(text),
+                    "kv_bytes": held,
+                    "prefill_step_size": prefill_step_size,
+                    "shared_prefill": shared,
+                    "protocol": "agnostic",
+                }
+            )
+    return rows
+
+
+def compress(model, tokenizer, arm, caches, context, scores: dict) -> None:
+    """End the context's prompt: what `Patch.prefill` does after its prefill."""
+    zipped = [c for c in caches if isinstance(c, KVzipCache)]
+    if zipped:
+        key = repr(sorted((k, v) for k, v in arm.options.items() if k != "budget"))
+        if key not in scores:
+            for c in zipped:
+                c.score_prompt = False
+            start = zipped[0].offset - len(context)
+            reconstruct(model, caches, zipped, context[start:], tokenizer)
+            scores[key] = [mx.array(c.zscore) for c in zipped]
+        for c, z in zip(zipped, scores[key]):
+            c.zscore = mx.array(z)
+        compress_together(zipped)  # one choice over every layer (replayed
+        # caches were built one by one, so they share no prompt phase)
+    for c in caches:
+        close = getattr(c, "close_prompt", None)
+        if close is not None:  # ours; mlx-lm's caches have no prompt end
+            close()
+    mx.eval([c.state for c in caches])
