@@ -35,12 +35,13 @@ LAYERS = 2  # pipeline: one layer per rank
 # kv_bits variants of the algorithms that quantize rows before they evict them
 # (those that hold the whole prompt until it ends): their eviction moves a
 # head's extra quantized rows, decided over all heads of the layer
-QUANTIZE_FIRST = ("snapkv", "adakv", "qfilters")
+QUANTIZE_FIRST = ("snapkv", "adakv", "qfilters", "expected_attention")
 
 
 def variants() -> list[tuple[str, str, dict]]:
     """(id, algo, options): every algorithm, kv_bits on those that quantize
-    before evicting, and adaptive bit widths (shared by all heads of a layer)."""
+    before evicting, adaptive bit widths and adaptive head budgets (both shared
+    by all heads of a layer)."""
     out = []
     for algo in veloxpatch.algos():
         opts = CONTRACT[algo]
@@ -53,6 +54,9 @@ def variants() -> list[tuple[str, str, dict]]:
     out.append(("snapkv-kvadaptive", "snapkv", {**CONTRACT["snapkv"], **adaptive}))
     kivi = dict(bits="adaptive", target_bits=2.5, residual=4)
     out.append(("kivi-adaptive", "kivi", kivi))
+    for algo in ("h2o", "expected_attention"):  # adakv is in the registry
+        opts = {**CONTRACT[algo], "head_budget": "adaptive"}
+        out.append((f"{algo}-headadaptive", algo, opts))
     return out
 
 

@@ -35,6 +35,7 @@ CONTRACT = {
     "tova": dict(budget=12, sinks=2),
     "keyformer": dict(budget=12, sinks=1, recent=3),
     "qfilters": dict(budget=16, window=4),
+    "expected_attention": dict(budget=14, sinks=2, window=4),
     # top=1: retrieval of every far row is dense attention (test_a2ats.py checks
     # what a smaller fraction retrieves).
     "a2ats": dict(window=8, sinks=2, top=1.0),

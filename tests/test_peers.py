@@ -124,7 +124,8 @@ def test_no_peer_for_adakv_or_full_and_patched_models_refused():
         with pytest.raises(PatchStateError):
             mlx_caches(model, "unpatched", {})
     budgeted = {a for a in veloxpatch.algos() if takes_budget(a)}
-    assert set(PEER_ALGOS) == budgeted - {"adakv"}
+    # adakv: another algorithm of the same name there; expected_attention: none
+    assert set(PEER_ALGOS) == budgeted - {"adakv", "expected_attention"}
 
 
 # --- veloxquant-mlx (optional) ---------------------------------------------------

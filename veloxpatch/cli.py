@@ -109,7 +109,9 @@ def list_(verbose):
 
     click.echo("algorithms:")
     for name, cls in ALGORITHMS.items():
-        click.echo(f"  {name:<14} {cls.summary}")
+        # a name wider than the column puts its summary on the next line
+        gap = " " if len(name) <= 14 else f"\n  {'':<14} "
+        click.echo(f"  {name:<14}{gap}{cls.summary}")
         if verbose:
             defaults = ", ".join(f"{k}={v}" for k, v in cls.Options().as_dict().items())
             for line in textwrap.wrap(f"options: {defaults or '(none)'}", 62):

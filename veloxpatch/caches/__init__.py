@@ -3,6 +3,7 @@
 from .a2ats import A2ATSCache
 from .adakv import AdaKVCache
 from .base import CacheOptions, VeloxCache
+from .expected_attention import ExpectedAttentionCache
 from .full import FullCache
 from .h2o import H2OCache
 from .keyformer import KeyformerCache
@@ -28,6 +29,7 @@ ALGORITHMS: dict[str, type[VeloxCache]] = {
         TOVACache,
         KeyformerCache,
         QFiltersCache,
+        ExpectedAttentionCache,
         KIVICache,
         A2ATSCache,
         KVzipCache,

@@ -11,17 +11,31 @@ Algorithms override:
   - `scores(q)`: importance of each stored row [B, Hkv, T], higher is kept;
   - `compress_now(new_rows)`: whether to evict after this call (default: over budget);
   - `row_budget()`: rows to keep per head (default: `budget`).
+
+`head_budget="adaptive"` (any algorithm here, as kvpress's AdaKVPress wraps any
+scorer): Ada-KV's allocation (Feng et al., 2024) of the layer's rows among its KV
+heads. Over the rows that are not protected, the layer-wide top H x P scores of
+all heads (P = row budget - protected rows; on a sharded model the heads of every
+rank, `sharding.py`) give c_h per head; head h keeps
+round(c_h (1 - alpha) + alpha P) of them (largest remainders, summing to H x P)
+plus its protected rows. Heads are stored padded to the largest head, padding
+masked out and counted in nbytes: a head holds at most
+protected + ceil((1 - alpha) H P + alpha P) rows (`head_bound`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import mlx.core as mx
 
 from ..errors import OptionError
 from .base import PAD_POSITION, VeloxCache
-from .options import CacheOptions, check_int
+from .options import CacheOptions, check_choice, check_int, check_number
+
+HEAD_BUDGETS = ("uniform", "adaptive")
+DEFAULT_ALPHA = 0.2  # Ada-KV's floor
 
 
 @dataclasses.dataclass
@@ -30,7 +44,10 @@ class EvictionOptions(CacheOptions):
     included. `sinks`: first tokens always kept. `kv_bits` (2, 3, 4, 8 or
     "adaptive" with `target_bits`): store the kept rows KIVI-quantized, keys per
     channel over `kv_group` rows, values per row, the newest `kv_residual` rows in
-    full precision (see `kv_bits.py`)."""
+    full precision (see `kv_bits.py`). `head_budget`: "uniform" (every KV head
+    keeps `budget` rows) or "adaptive" (Ada-KV: a layer's heads share budget x
+    heads rows by their scores, each keeping at least the fraction `alpha`,
+    default 0.2, of the uniform share; see the module docstring)."""
 
     budget: int = 256
     sinks: int = 4
@@ -38,6 +55,8 @@ class EvictionOptions(CacheOptions):
     kv_group: int = 32
     kv_residual: int = 128
     target_bits: float | None = None
+    head_budget: str = "uniform"
+    alpha: float | None = None
 
     def recent_rows(self) -> int:
         """Newest rows never evicted (subclasses: their window or `recent`)."""
@@ -63,6 +82,16 @@ class EvictionOptions(CacheOptions):
         )
         check_int("sinks", self.sinks, 0)
         check_int("budget", self.budget, 1)
+        check_choice("head_budget", self.head_budget, HEAD_BUDGETS)
+        if self.head_budget == "adaptive":
+            if self.alpha is None:
+                self.alpha = DEFAULT_ALPHA
+            check_number("alpha", self.alpha, 0, 1)
+        elif self.alpha is not None:
+            raise OptionError(
+                f"alpha (the per-head floor) needs head_budget='adaptive', "
+                f"got head_budget={self.head_budget!r}"
+            )
         if self.budget <= self.protected():
             raise OptionError(
                 f"budget ({self.budget}) must exceed the protected rows "
@@ -75,6 +104,25 @@ class EvictionOptions(CacheOptions):
 
             check_group_divides(dims, self.kv_group, "kv_")
         return super().bind(model, dims)
+
+
+def head_budgets(scores: mx.array, prefix: int, alpha: float) -> mx.array:
+    """Ada-KV's rows per head [B, H] from scores [B, H, T] of the rows that
+    compete (the others -inf): c_h of the layer-wide top H x prefix fall in head
+    h, which gets round(c_h (1 - alpha) + alpha prefix), at most T; rows sum to
+    H x prefix per batch item (largest remainders, ties to the lower head)."""
+    B, H, T = scores.shape
+    flat = scores.reshape(B, H * T)
+    total = min(H * prefix, H * T)
+    top = mx.argpartition(-flat, kth=total - 1, axis=-1)[:, :total] // T
+    counts = (top[:, :, None] == mx.arange(H)[None, None, :]).sum(axis=1)
+    exact = counts.astype(mx.float32) * (1 - alpha) + alpha * prefix
+    exact = mx.minimum(exact, T)
+    base = mx.floor(exact).astype(mx.int32)
+    short = total - base.sum(axis=-1, keepdims=True)
+    remainder = exact - base
+    rank = mx.argsort(mx.argsort(-remainder, axis=-1), axis=-1)
+    return base + (rank < short).astype(mx.int32)
 
 
 class EvictingCache(VeloxCache):
@@ -97,7 +145,22 @@ class EvictingCache(VeloxCache):
 
     def row_bound(self) -> int:
         """Most rows held between calls once the prompt is over."""
-        return self.row_budget()
+        return self.head_bound(self.row_budget())
+
+    @property
+    def adaptive_heads(self) -> bool:
+        return self.options.head_budget == "adaptive"
+
+    def head_bound(self, n_keep: int) -> int:
+        """Rows the largest head holds after `evict_to(n_keep, ...)`: n_keep, or
+        with adaptive head budgets protected + ceil((1 - alpha) H P + alpha P)."""
+        if not self.adaptive_heads or self.keys is None:
+            return n_keep
+        o = self.options
+        heads = self.keys.shape[1] * self.shards.size  # of the whole layer
+        prefix = n_keep - o.protected()
+        share = (1 - o.alpha) * heads * prefix + o.alpha * prefix
+        return o.protected() + min(heads * prefix, math.ceil(share - 1e-9))
 
     def compress_now(self, new_rows: int) -> bool:
         return self.rows > self.row_budget()
@@ -119,9 +182,13 @@ class EvictingCache(VeloxCache):
         """Keep, per (batch, KV head), the protected rows and the best-scored rest.
 
         With `counts` [B, Hkv] head h keeps only counts[b, h] <= n_keep rows and
-        the rest of its n_keep slots are padding, masked out by position."""
+        the rest of its n_keep slots are padding, masked out by position. With
+        adaptive head budgets (and no `counts`) n_keep is the mean over the
+        layer's heads and `head_counts` shares them out."""
         if self.rows <= n_keep and counts is None:
             return
+        if counts is None and self.adaptive_heads:
+            counts, n_keep = self.head_counts(n_keep, scores)
         pos = self.positions_view()
         valid = pos != PAD_POSITION
         s = mx.where(valid, scores.astype(mx.float32), -mx.inf)
@@ -139,6 +206,21 @@ class EvictingCache(VeloxCache):
         self.keep_rows(mx.take_along_axis(ranked, order, axis=-1), pos)
         self.positions = mx.take_along_axis(chosen, order, axis=-1)
         self.padded = bool((counts < n_keep).any().item())
+
+    def head_counts(self, n_keep: int, scores: mx.array) -> tuple[mx.array, int]:
+        """Ada-KV: rows per head [B, Hkv] of this rank, n_keep on average over
+        the layer's KV heads, and the layer's largest (every rank pads to it)."""
+        o = self.options
+        pos = self.positions_view()
+        # Heads compete only for what is not protected: sinks and recent rows are
+        # kept anyway.
+        free = (pos != PAD_POSITION) & ~self.protected_mask(pos)
+        competing = mx.where(free, scores.astype(mx.float32), -mx.inf)
+        # every KV head of the layer competes, those of other ranks included
+        competing = self.shards.all_heads(competing)
+        counts = head_budgets(competing, n_keep - o.protected(), o.alpha)
+        counts = counts + o.protected()
+        return self.shards.my_heads(counts), int(counts.max().item())
 
     def keep_rows(self, idx: mx.array, pos: mx.array | None = None) -> None:
         """Keep rows `idx` [B, Hkv, K] (ascending) of every head, in that order."""
