@@ -54,6 +54,8 @@ def variants() -> list[tuple[str, str, dict]]:
     out.append(("snapkv-kvadaptive", "snapkv", {**CONTRACT["snapkv"], **adaptive}))
     kivi = dict(bits="adaptive", target_bits=2.5, residual=4)
     out.append(("kivi-adaptive", "kivi", kivi))
+    kvzip = {**CONTRACT["kvzip"], "layerwise": True}  # (pipeline: per layer)
+    out.append(("kvzip-layerwise", "kvzip", kvzip))
     for algo in ("h2o", "expected_attention"):  # adakv is in the registry
         opts = {**CONTRACT[algo], "head_budget": "adaptive"}
         out.append((f"{algo}-headadaptive", algo, opts))
@@ -159,6 +161,8 @@ def main(out_dir: str) -> None:
         shards = adapter_for(model).shards(model)
         kv_here = model.layers[0].self_attn.n_kv_heads
         for name, algo, opts in variants():
+            if split == "pipeline" and name == "kvzip":
+                continue  # one threshold over all layers: refused (kvzip.py)
             start = time.perf_counter()
             try:
                 got = compare(

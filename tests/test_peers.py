@@ -125,7 +125,7 @@ def test_no_peer_for_adakv_or_full_and_patched_models_refused():
             mlx_caches(model, "unpatched", {})
     budgeted = {a for a in veloxpatch.algos() if takes_budget(a)}
     # adakv: another algorithm of the same name there; expected_attention: none
-    assert set(PEER_ALGOS) == budgeted - {"adakv", "expected_attention"}
+    assert set(PEER_ALGOS) == budgeted - {"adakv", "expected_attention", "kvzip"}
 
 
 # --- veloxquant-mlx (optional) ---------------------------------------------------

@@ -92,6 +92,8 @@ def test_every_rank_keeps_what_the_whole_model_keeps(ranks):
     expected = set()
     for algo in veloxpatch.algos():
         expected |= {f"tensor/{algo}", f"pipeline/{algo}"}
+    # kvzip's one threshold over all layers is refused on pipeline stages
+    expected = (expected - {"pipeline/kvzip"}) | {"pipeline/kvzip-layerwise"}
     failures = []
     for result in ranks:
         assert result["size"] == RANKS

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -254,6 +255,7 @@ class VeloxCache(RowStorage, _BaseCache):
         self.padded = bool(m["padded"])
         self.scale = None if m.get("scale") is None else float(m["scale"])
         self.phase = PromptPhase.from_meta(m)
+        self.phase.members.append(weakref.ref(self))
         self.phase_ends = int(m["phase_seen"])
         self.load_extra_meta(m)
 

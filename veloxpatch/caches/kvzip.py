@@ -34,6 +34,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from ..errors import OptionError
 from .attention_probs import query_probs
 from .base import PAD_POSITION
 from .eviction import EvictingCache, EvictionOptions
@@ -61,9 +62,23 @@ class KVzipOptions(EvictionOptions):
         check_number("floor", self.floor, 0, 1)
         check_int("window", self.window, 0)
         check_int("chunk", self.chunk, OVERLAP + 1)
+        if self.head_budget != "uniform":
+            raise ValueError(
+                "kvzip allocates rows over the whole model itself; "
+                "head_budget is not one of its options"
+            )
         if not isinstance(self.layerwise, bool):
             raise ValueError(f"layerwise must be true or false, got {self.layerwise!r}")
         super().__post_init__()
+
+    def bind(self, model, dims):
+        shards = getattr(dims, "shards", None)
+        if shards is not None and shards.num_layers is not None and not self.layerwise:
+            raise OptionError(
+                "kvzip's one threshold over all layers needs every layer in this "
+                "process; on a pipeline-split model use layerwise=True"
+            )
+        return super().bind(model, dims)
 
 
 class KVzipCache(EvictingCache):

@@ -22,6 +22,9 @@ hook before attending (or at once, on `Patch.end_prompt()`).
 
 from __future__ import annotations
 
+import uuid
+import weakref
+
 PREFILL, ENDING, DECODE = "prefill", "ending", "decode"
 
 
@@ -35,6 +38,7 @@ class PromptPhase:
         self.maybe_chunk = False  # ENDING: the lone call may be mlx-lm's last chunk
         self.evaluated = False  # mlx-lm evaluated the state since the last call
         self.members = []  # weakrefs to the caches sharing it (model-wide choices)
+        self.id = uuid.uuid4().hex  # lets the layers of a saved list share one again
 
     @property
     def in_prompt(self) -> bool:
@@ -73,11 +77,13 @@ class PromptPhase:
     def copy(self) -> PromptPhase:
         new = PromptPhase()
         new.__dict__.update(self.__dict__, layers=set(self.layers), members=[])
+        new.id = uuid.uuid4().hex
         return new
 
     # ---- saved with each cache (every layer holds the same) -------------------
     def as_meta(self) -> dict:
         return {
+            "phase_id": self.id,
             "phase": self.state,
             "phase_ends": self.ends,
             "phase_after_multi": self.after_multi,
@@ -87,6 +93,22 @@ class PromptPhase:
 
     @classmethod
     def from_meta(cls, m: dict) -> PromptPhase:
+        """The phase of a loaded cache: the layers of one saved list, loaded in
+        order (as mlx-lm's load_prompt_cache and load_cache do), share one."""
+        key, layer = m.get("phase_id"), int(m.get("layer", 0))
+        found = _LOADING.get(key)
+        phase = found[0]() if found else None
+        if phase is not None and layer > found[1]:
+            _LOADING[key] = (found[0], layer)
+            return phase
+        phase = cls._from_meta(m)
+        if key is not None:
+            phase.id = key
+            _LOADING[key] = (weakref.ref(phase), layer)
+        return phase
+
+    @classmethod
+    def _from_meta(cls, m: dict) -> PromptPhase:
         phase = cls()
         phase.state = str(m["phase"])
         if phase.state not in (PREFILL, ENDING, DECODE):
@@ -96,3 +118,17 @@ class PromptPhase:
         phase.maybe_chunk = bool(m["phase_maybe_chunk"])
         phase.evaluated = bool(m["phase_evaluated"])
         return phase
+
+
+def share_phase(caches) -> None:
+    """Give caches built one by one the one phase `make_cache` would give them."""
+    ours = [c for c in caches if hasattr(c, "phase")]
+    if not ours:
+        return
+    phase = ours[0].phase
+    phase.members = [weakref.ref(c) for c in ours]
+    for c in ours:
+        c.phase = phase
+
+
+_LOADING: dict = {}  # phase id -> (weakref to the loaded phase, last layer)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import api
+from ..caches.phase import share_phase
 from ..probe import run_probe
 
 
@@ -57,6 +58,7 @@ class Captured:
                 cache.after_attend(q, q.shape[2])
                 _ = cache.state
                 caches.append(cache)
+        share_phase(caches)  # as make_cache: model-wide choices see every layer
         mx.eval([c.arrays() for c in caches])
         return caches
 

@@ -1,0 +1,83 @@
+"""Sections from the question-agnostic passkey run and its query-aware companion."""
+
+from __future__ import annotations
+
+from results_markdown import command, grid, load, meta, wilson
+
+KEYS = ["arms", "budgets", "tasks", "protocol", "context", "cases", "out"]
+
+
+def _by(table):
+    return {(t["family"], t["budget"]): t for t in table}
+
+
+def passkey_agnostic() -> list[str]:
+    res = load("passkey_agnostic")
+    rows = res["passkey"]["table"]
+    cfg = res["config"]
+    pk = _by(rows)
+    full = pk[("full", None)]
+
+    def acc(fam, budget):
+        t = pk.get((fam, budget))
+        return -1.0 if t is None else t["accuracy"]
+
+    evicting = sorted(
+        {f for f, b in pk if b is not None and not f.startswith("mlx.")},
+        key=lambda f: -acc(f, 256),
+    )
+    best = evicting[0]
+    lines = [
+        "## Passkey, question-agnostic: compress first, ask afterwards",
+        "",
+        f"{cfg['cases']} contexts of about {cfg['context']:,} tokens (the same "
+        "seeded text and key as the aware protocol, one key per context), each "
+        "prefilled and compressed with no question; then two phrasings of the "
+        "question are asked, each on an independent copy of the compressed "
+        "context (`veloxpatch.copy_cache`), and every answer is scored. Cells are "
+        "correct answers / answers (two per context, so answers of one context "
+        "are not independent) with Wilson intervals. `kvzip` scores by its "
+        "reconstruction pass (`veloxpatch.context.reconstruct`); the SnapKV family "
+        "and `expected_attention` compress at the context's end, with no "
+        "question in their window; mlx-lm's caches run the same contexts.",
+        "",
+        meta("passkey_agnostic", res),
+        "",
+        *grid(rows, wilson),
+        "",
+        "KV MB held by the compressed context (mean):",
+        "",
+        *grid(rows, lambda t: f"{t['kv_mb']:.1f}"),
+        "",
+        *command("veloxpatch eval", cfg, KEYS),
+        "",
+        f"`full` answers {full['correct']}/{full['cases']}. At budget 256 the best "
+        f"eviction method is `{best}` ({pk[(best, 256)]['correct']}/"
+        f"{pk[(best, 256)]['cases']}); `snapkv` answers "
+        f"{pk[('snapkv', 256)]['correct']}/{pk[('snapkv', 256)]['cases']} and "
+        f"`mlx.rotating` {pk[('mlx.rotating', 256)]['correct']}/"
+        f"{pk[('mlx.rotating', 256)]['cases']}.",
+        "",
+    ]
+    return lines
+
+
+def passkey_aware_new() -> list[str]:
+    res = load("passkey_aware_new")
+    rows = res["passkey"]["table"]
+    cfg = res["config"]
+    return [
+        "## Passkey, query-aware, for the algorithms added since the table above",
+        "",
+        "The aware protocol (question inside the compressed prompt) on the same "
+        f"{cfg['cases']} cases for `kvzip` (inside `mlx_lm.generate` it has no "
+        "token ids to reconstruct, so it scores with the prompt's own queries), "
+        "`expected_attention` and `knorm` with its measured default `recent`.",
+        "",
+        meta("passkey_aware_new", res),
+        "",
+        *grid(rows, wilson),
+        "",
+        *command("veloxpatch eval", cfg, KEYS),
+        "",
+    ]
