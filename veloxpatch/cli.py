@@ -53,8 +53,27 @@ def main():
     default=None,
     help="keep quantized weights (default: dequantize on the CPU)",
 )
+@click.option(
+    "--cache",
+    "cache_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="a context compressed by `veloxpatch compress`: the prompt is a question "
+    "about it (the file gives the algorithm)",
+)
 @_user_errors
-def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, quantized):
+def generate(
+    model,
+    algo,
+    budget,
+    algo_args,
+    prompt,
+    max_tokens,
+    temp,
+    chat,
+    quantized,
+    cache_path,
+):
     """Patch the model with ALGO and stream a generation, then print stats."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -70,14 +89,23 @@ def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, qua
         if "budget" in options:
             raise UserError("budget given twice: --budget and --algo-arg budget=")
         options["budget"] = budget
+    if cache_path is not None and (options or algo != "full"):
+        raise UserError("--cache gives the algorithm and its options; drop --algo")
     make_options(algo, options)  # fail before the slow load
     prompt = read_prompt(prompt)
     m, tokenizer = load(model, quantized=quantized)
     if chat and getattr(tokenizer, "chat_template", None) is None:
         raise UserError("--chat: the model has no chat template (use --no-chat)")
-    prompt = chat_prompt(tokenizer, prompt, chat)
+    caches = None
+    if cache_path is not None:  # a question about a compressed context
+        from .cli_compress import load_context, question_ids
+
+        caches, algo, options, tail = load_context(cache_path, m)
+        prompt = question_ids(tokenizer, prompt, tail)
+    else:
+        prompt = chat_prompt(tokenizer, prompt, chat)
     with apply(m, algo=algo, **options) as patch:
-        caches = patch.make_cache()
+        caches = caches if caches is not None else patch.make_cache()
         last = None
         for last in stream_generate(
             m,
@@ -148,7 +176,7 @@ def adapter_check(cls):
     sys.exit(check.main([cls]))
 
 
-from . import cli_calibrate, cli_eval  # noqa: E402, F401  (register commands)
+from . import cli_calibrate, cli_compress, cli_eval  # noqa: E402, F401
 
 if __name__ == "__main__":
     # `python -m` runs this file as __main__, a second copy of the module: the

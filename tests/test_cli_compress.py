@@ -1,0 +1,49 @@
+"""`veloxpatch compress` then `veloxpatch generate --cache`: one compressed
+context, several questions."""
+
+from pydoc_data.topics import topics
+
+from click.testing import CliRunner
+from conftest import smollm
+
+from veloxpatch.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+@smollm
+def test_compress_once_then_ask_twice(tmp_path):
+    ctx = tmp_path / "ctx.txt"
+    ctx.write_text(topics["assert"][:2000])
+    out = tmp_path / "ctx.safetensors"
+    made = run("compress", "--context", str(ctx), "--budget", "48", "--out", str(out))
+    assert made.exit_code == 0, made.output
+    assert "compressed by kvzip" in made.output and out.exists()
+    for question in ("What does assert do?", "When is AssertionError raised?"):
+        got = run(
+            "generate", "--cache", str(out), "--prompt", question, "--max-tokens", "8"
+        )
+        assert got.exit_code == 0, got.output
+        assert "[kvzip]" in got.output and "KV held" in got.output
+
+
+def test_cache_decides_the_algorithm(tmp_path):
+    f = tmp_path / "c.safetensors"
+    f.write_bytes(b"x")
+    got = run("generate", "--cache", str(f), "--algo", "snapkv", "--prompt", "q")
+    assert got.exit_code == 2
+    assert got.output.strip().splitlines() == [
+        "veloxpatch: error: --cache gives the algorithm and its options; drop --algo"
+    ]
+
+
+def test_compress_refuses_a_non_utf8_context(tmp_path):
+    ctx = tmp_path / "ctx.txt"
+    ctx.write_bytes(b"caf\xe9")
+    got = run(
+        "compress", "--context", str(ctx), "--out", str(tmp_path / "o.safetensors")
+    )
+    assert got.exit_code == 2 and "not UTF-8" in got.output
+    assert not (tmp_path / "o.safetensors").exists()

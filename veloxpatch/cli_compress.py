@@ -1,0 +1,120 @@
+"""`veloxpatch compress`: a context compressed once, with no question, into a
+file that `veloxpatch generate --cache FILE` asks questions of (as mlx-lm's
+cache_prompt, for compressed caches)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from .cli import _user_errors, main
+from .cli_checks import NonEmpty, OutputFile, UserError, refuse_existing
+
+MARK = "\x00veloxpatch-question\x00"
+
+
+def split_turn(tokenizer, text: str, chat: bool | None):
+    """(the context's text with the chat template's head, the tail that follows
+    a question: the turn change to the assistant). No template: ("text", "")."""
+    from .models import chat_prompt
+
+    wrapped = chat_prompt(tokenizer, text + MARK, chat)
+    head, tail = wrapped.split(MARK)
+    return head, tail
+
+
+@main.command()
+@click.option(
+    "--model", type=NonEmpty(), default=None, help="default: the embedded SmolLM2"
+)
+@click.option(
+    "--context",
+    "context_path",
+    type=click.Path(exists=True, dir_okay=False, readable=True),
+    required=True,
+    help="the context, a UTF-8 text file",
+)
+@click.option("--algo", default="kvzip", show_default=True)
+@click.option("--budget", type=int, default=None, help="KV rows kept per head")
+@click.option("--algo-arg", "algo_args", multiple=True, metavar="KEY=VALUE")
+@click.option("--out", type=OutputFile(".safetensors"), required=True)
+@click.option("--force", is_flag=True, help="overwrite --out if it exists")
+@click.option("--chat/--no-chat", default=None, help="default: when the model has one")
+@_user_errors
+def compress(model, context_path, algo, budget, algo_args, out, force, chat):
+    """Prefill and compress a context with no question; save its cache to OUT."""
+    from .api import apply, make_options
+    from .caches.io import save_cache
+    from .calibration_files import fingerprint
+    from .eval.arms import parse_pairs
+    from .memory import full_kv_bytes, kv_bytes
+    from .models import load
+
+    options = parse_pairs(algo_args)
+    if budget is not None:
+        if "budget" in options:
+            raise UserError("budget given twice: --budget and --algo-arg budget=")
+        options["budget"] = budget
+    make_options(algo, options)  # fail before the slow load
+    refuse_existing(force, out=out)
+    text = read_utf8(context_path)
+    m, tokenizer = load(model)
+    head, tail = split_turn(tokenizer, text, chat)
+    plain = tail == ""
+    ids = tokenizer.encode(head, add_special_tokens=plain)
+    start = time.perf_counter()
+    with apply(m, algo=algo, **options) as patch:
+        caches = patch.prefill(ids, tokenizer=tokenizer)
+        seconds = time.perf_counter() - start
+        meta = {
+            "algo": algo,
+            "options": json.dumps(options),
+            "tail": tail,
+            "fingerprint": json.dumps(fingerprint(m), sort_keys=True),
+            "context_tokens": str(len(ids)),
+        }
+        save_cache(out, caches, meta)
+    click.echo(
+        f"wrote {out}: {len(ids)} context tokens compressed by {algo} in "
+        f"{seconds:.1f} s | KV held {kv_bytes(caches):,} B | full KV "
+        f"{full_kv_bytes(caches):,} B"
+    )
+
+
+def read_utf8(path) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"--context {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+            f"offset {e.start})"
+        ) from None
+    if not text.strip():
+        raise UserError(f"--context {path} is empty")
+    return text
+
+
+def question_ids(tokenizer, question: str, tail: str) -> list[int]:
+    """A question asked of a compressed context: it continues the user turn."""
+    return tokenizer.encode(
+        f"\n\n{question.strip()}{tail or chr(10)}", add_special_tokens=False
+    )
+
+
+def load_context(path, model):
+    """(caches, algo, options, the turn tail) of a `compress` file, checked
+    against `model`."""
+    from .caches.io import load_cache
+    from .calibration_files import fingerprint
+
+    caches, meta = load_cache(path, return_metadata=True)
+    needed = ("algo", "options", "tail", "fingerprint")
+    if not all(isinstance(meta.get(k), str) for k in needed):
+        raise UserError(f"{path} was not written by veloxpatch compress")
+    if json.loads(meta["fingerprint"]) != fingerprint(model):
+        raise UserError(f"{path} was compressed for another model")
+    return caches, meta["algo"], json.loads(meta["options"]), meta["tail"]
