@@ -22,7 +22,7 @@ from veloxpatch.calibration_files import (
 from veloxpatch.checked_io import CHECKSUM_KEY, save_checked
 from veloxpatch.codebook import calibrate_codebook
 from veloxpatch.errors import CacheFileError, CalibrationError, FileFormatError
-from veloxpatch.fileformat import check_safetensors
+from veloxpatch.safetensors_header import check_safetensors
 
 KINDS = ["filters", "book", "cache"]
 ERROR = {"filters": CalibrationError, "book": CalibrationError, "cache": CacheFileError}

@@ -79,7 +79,7 @@ def generate(
     from mlx_lm.sample_utils import make_sampler
 
     from .api import apply, make_options
-    from .cli_checks import read_prompt
+    from .cli_text import read_prompt
     from .eval.arms import parse_pairs
     from .memory import full_kv_bytes, kv_bytes
     from .models import chat_prompt, load

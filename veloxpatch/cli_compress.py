@@ -84,15 +84,10 @@ def compress(model, context_path, algo, budget, algo_args, out, force, chat):
 
 
 def read_utf8(path) -> str:
+    from .cli_text import decode_utf8
+
     with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(
-            f"--context {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
-            f"offset {e.start})"
-        ) from None
+        text = decode_utf8(f.read(), f"--context {path}")
     if not text.strip():
         raise UserError(f"--context {path} is empty")
     return text

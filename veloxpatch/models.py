@@ -13,8 +13,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from veloxpatch.fileformat import check_safetensors
 from veloxpatch.gguf import ModelFileError, ModelLoadError, load_gguf
+from veloxpatch.safetensors_header import check_safetensors
 
 __all__ = [
     "ModelFileError",

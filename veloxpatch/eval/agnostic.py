@@ -16,7 +16,7 @@ from ..caches.kvzip import KVzipCache, compress_together
 from ..context import copy_cache, reconstruct
 from ..memory import kv_bytes
 from .passkey import AgnosticCase
-from .runner import answer
+from .runner import answer, case_row
 from .sessions import Prefills, arm_caches
 
 
@@ -38,25 +38,8 @@ def run_agnostic_case(
                 for q in case.questions
             ]
         for i, text in enumerate(answers):
-            rows.append(
-                {
-                    "arm": arm.label,
-                    "family": arm.family,
-                    "algo": arm.algo,
-                    "options": dict(arm.options),
-                    "seed": case.seed,
-                    "depth": case.depth,
-                    "key": case.key,
-                    "question": i,
-                    "context_tokens": len(case.context),
-                    "answer": text,
-                    "correct": case.correct(text),
-                    "kv_bytes": held,
-                    "prefill_step_size": prefill_step_size,
-                    "shared_prefill": shared,
-                    "protocol": "agnostic",
-                }
-            )
+            row = case_row(arm, case, text, held, prefill_step_size, shared)
+            rows.append(row | {"question": i, "protocol": "agnostic"})
     return rows
 
 

@@ -35,14 +35,8 @@ class PasskeyCase:
         return self.key in answer.replace(" ", "")
 
 
-def make_case(
-    tokenizer,
-    context_tokens: int,
-    depth: float,
-    seed: int,
-    text_split: str = "evaluation",
-    chat: bool | None = None,
-) -> PasskeyCase:
+def hidden_key(tokenizer, context_tokens, depth, seed, text_split):
+    """(key, the instructions and the prose with the key at `depth`)."""
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
     # Each case reads its own stretch of prose, chosen by the seed.
@@ -52,7 +46,19 @@ def make_case(
     cut = int(round(depth * filler_len))
     before = tokenizer.decode(filler[:cut])
     after = tokenizer.decode(filler[cut:])
-    body = INTRO + before + NEEDLE.format(key=key) + after + QUESTION
+    return key, INTRO + before + NEEDLE.format(key=key) + after
+
+
+def make_case(
+    tokenizer,
+    context_tokens: int,
+    depth: float,
+    seed: int,
+    text_split: str = "evaluation",
+    chat: bool | None = None,
+) -> PasskeyCase:
+    key, body = hidden_key(tokenizer, context_tokens, depth, seed, text_split)
+    body += QUESTION
     text = chat_prompt(tokenizer, body, chat)
     plain = text == body  # no chat template: a completion prompt, with BOS
     text += "\n" if plain else ""
@@ -85,18 +91,7 @@ def make_agnostic_case(
     tokenizer, context_tokens: int, depth: float, seed: int, text_split="evaluation"
 ) -> AgnosticCase:
     """The same text and key as `make_case`, split where the question starts."""
-    rng = random.Random(seed)
-    key = str(rng.randint(10000, 99999))
-    filler_len = context_tokens - 80
-    start = rng.randint(0, prose_length(tokenizer, text_split) - filler_len)
-    filler = prose_tokens(tokenizer, filler_len, text_split, start=start)
-    cut = int(round(depth * filler_len))
-    body = (
-        INTRO
-        + tokenizer.decode(filler[:cut])
-        + NEEDLE.format(key=key)
-        + tokenizer.decode(filler[cut:])
-    )
+    key, body = hidden_key(tokenizer, context_tokens, depth, seed, text_split)
     text = chat_prompt(tokenizer, body + _MARK)
     plain = text == body + _MARK  # no chat template: a completion prompt
     head, tail = text.split(_MARK)

@@ -66,24 +66,29 @@ def run_case(
             text = answer(model, tokenizer, case.prompt[-1:], caches, max_tokens)
             kv = kv_bytes(caches)
         rows.append(
-            {
-                "arm": arm.label,
-                "family": arm.family,
-                "algo": arm.algo,
-                "options": dict(arm.options),
-                "seed": case.seed,
-                "depth": case.depth,
-                "key": case.key,
-                "context_tokens": len(case.prompt),
-                "answer": text,
-                "correct": case.correct(text),
-                "kv_bytes": kv,
-                "prefill_step_size": prefill_step_size,
-                "shared_prefill": shared,
-                "lead_in": "decoded" if lead else "prompt",
-            }
+            case_row(arm, case, text, kv, prefill_step_size, shared)
+            | {"lead_in": "decoded" if lead else "prompt"}
         )
     return rows
+
+
+def case_row(arm, case, text, kv, prefill_step_size, shared) -> dict:
+    """One answer of one arm on one case, as the results files hold it."""
+    return {
+        "arm": arm.label,
+        "family": arm.family,
+        "algo": arm.algo,
+        "options": dict(arm.options),
+        "seed": case.seed,
+        "depth": case.depth,
+        "key": case.key,
+        "context_tokens": len(getattr(case, "prompt", None) or case.context),
+        "answer": text,
+        "correct": case.correct(text),
+        "kv_bytes": kv,
+        "prefill_step_size": prefill_step_size,
+        "shared_prefill": shared,
+    }
 
 
 def summarize(rows, arms) -> list[dict]:
