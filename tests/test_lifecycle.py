@@ -176,3 +176,16 @@ def test_mlx_lm_still_names_what_the_flags_are_read_from():
         assert "kv_bits" in inspect.signature(fn).parameters
     src = inspect.getsource(mlx_cache.make_prompt_cache)
     assert "return model.make_cache()" in src
+
+
+def test_caches_of_another_algorithm_are_a_clear_error(tmp_path):
+    model = tiny_model("llama")
+    path = str(tmp_path / "p.safetensors")
+    with veloxpatch.patched(model, "snapkv", budget=16, window=4) as patch:
+        caches = patch.make_cache()
+        greedy(model, prompt_tokens(30), n=2, prompt_cache=caches)
+        mlx_cache.save_prompt_cache(path, caches)
+    with veloxpatch.patched(model, "h2o", budget=16):
+        loaded = mlx_cache.load_prompt_cache(path)
+        with pytest.raises(PatchStateError, match="patched with 'h2o'.*'snapkv'"):
+            greedy(model, mx.array([3]), n=2, prompt_cache=loaded)

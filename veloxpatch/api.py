@@ -157,7 +157,7 @@ class Patch:
         self._prior_make_cache = model.__dict__.get("make_cache", _MISSING)
         _PATCHES[id(model)] = weakref.ref(self)
         try:
-            patcher.register(active)
+            patcher.register(active, owner=self)
             model.make_cache = self.make_cache
         except BaseException:
             self._uninstall()

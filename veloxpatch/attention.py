@@ -11,7 +11,7 @@ from .caches.base import VeloxCache
 from .errors import PatchStateError
 
 
-def patched_forward(site, wrapped, attn, args, kwargs):
+def patched_forward(site, wrapped, attn, args, kwargs, owner=None):
     target = site.target
     x, call = target.bind(args, kwargs)
     cache = call.get("cache")
@@ -31,8 +31,14 @@ def patched_forward(site, wrapped, attn, args, kwargs):
             f"layer {layer} was given the cache of layer {cache.layer} (a "
             "cache list from another model, or out of order)"
         )
-    if not cache.flags_checked:  # mlx-lm's kv_bits would bypass us later
-        mlx_flags.check_kv_bits(mlx_flags.kv_bits_in_stack())
+    if not cache.flags_checked:  # once per cache: its first call here
+        algo = getattr(owner, "algo", cache.name)
+        if cache.name != algo:
+            raise PatchStateError(
+                f"this model is patched with {algo!r} but was given {cache.name!r} "
+                "caches (a file saved under another patch?); apply that algorithm"
+            )
+        mlx_flags.check_kv_bits(mlx_flags.kv_bits_in_stack())  # mlx-lm's kv_bits
         cache.flags_checked = True
     if isinstance(call.get("mask"), mx.array):
         # Our caches never hand mlx-lm an array mask, so this is a padded batch or

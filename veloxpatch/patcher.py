@@ -36,7 +36,7 @@ def _dispatch(wrapped, instance, args, kwargs):
     entry = _INSTANCES.get(id(instance))
     if entry is None or entry[0]() is not instance:
         return wrapped(*args, **kwargs)
-    return patched_forward(entry[1], wrapped, instance, args, kwargs)
+    return patched_forward(entry[1], wrapped, instance, args, kwargs, entry[2])
 
 
 def check_target(target) -> type:
@@ -77,7 +77,7 @@ def _release(cls: type, key: int) -> None:
         del _CLASSES[cls]
 
 
-def register(sites) -> list[int]:
+def register(sites, owner=None) -> list[int]:
     """Switch the given layer sites to the patched forward. All or nothing."""
     done: list[int] = []
     try:
@@ -95,7 +95,7 @@ def register(sites) -> list[int]:
                 _INSTANCES.pop(key, None)
                 _release(cls, key)
 
-            _INSTANCES[key] = (weakref.ref(attn, _gone), site)
+            _INSTANCES[key] = (weakref.ref(attn, _gone), site, owner)
             cp.instances.add(key)
             done.append(key)
     except BaseException:
