@@ -2,12 +2,13 @@
 computed from the results files in scripts/results/ (see make_results_doc.py).
 `headline` is the README's results summary."""
 
-from . import budgets, eval_runs, peers, speed, studies
+from . import agnostic, budgets, eval_runs, peers, speed, studies
 from .headline import headline
 
 __all__ = ["SECTIONS", "headline"]
 
 SECTIONS = [
+    agnostic.passkey_agnostic,
     eval_runs.passkey_all,
     eval_runs.quantized_ppl,
     peers.versus_veloxquant,

@@ -56,7 +56,18 @@ def passkey_agnostic() -> list[str]:
         f"{pk[(best, 256)]['cases']}); `snapkv` answers "
         f"{pk[('snapkv', 256)]['correct']}/{pk[('snapkv', 256)]['cases']} and "
         f"`mlx.rotating` {pk[('mlx.rotating', 256)]['correct']}/"
-        f"{pk[('mlx.rotating', 256)]['cases']}.",
+        f"{pk[('mlx.rotating', 256)]['cases']}. "
+        f"`kvzip` at 128 rows ({pk[('kvzip', 128)]['kv_mb']:.1f} MB) answers "
+        f"{pk[('kvzip', 128)]['correct']}/{pk[('kvzip', 128)]['cases']}, against "
+        f"{pk[('mlx.quantized:kv_bits=4', None)]['correct']}/"
+        f"{pk[('mlx.quantized:kv_bits=4', None)]['cases']} for mlx-lm's 4-bit cache "
+        f"at {pk[('mlx.quantized:kv_bits=4', None)]['kv_mb']:.1f} MB: at equal "
+        "bytes the two are level, the 4-bit cache slightly ahead. "
+        "`expected_attention` holds more than its rows (its query statistics, "
+        "O(D^2) per query head). `mlx.rotating`'s bytes are its allocated "
+        "buffer as mlx-lm reports them. Losses: the SnapKV family, TOVA and "
+        "Q-Filters keep almost nothing of the needle when the question is not "
+        "in their window; only `h2o` at 512 rows comes close.",
         "",
     ]
     return lines
