@@ -45,5 +45,5 @@ def test_compress_refuses_a_non_utf8_context(tmp_path):
     got = run(
         "compress", "--context", str(ctx), "--out", str(tmp_path / "o.safetensors")
     )
-    assert got.exit_code == 2 and "not UTF-8" in got.output
+    assert got.exit_code == 2 and "not valid UTF-8" in got.output
     assert not (tmp_path / "o.safetensors").exists()
