@@ -10,6 +10,7 @@ __all__ = ["SECTIONS", "headline"]
 SECTIONS = [
     agnostic.passkey_agnostic,
     eval_runs.passkey_all,
+    agnostic.passkey_aware_new,
     eval_runs.quantized_ppl,
     peers.versus_veloxquant,
     speed.memory,

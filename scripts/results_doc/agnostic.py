@@ -91,4 +91,8 @@ def passkey_aware_new() -> list[str]:
         "",
         *command("veloxpatch eval", cfg, KEYS),
         "",
+        "Without its reconstruction pass `kvzip` is a different scorer (the "
+        "prompt's own queries, the question included): compare its agnostic "
+        "row above, where it reconstructs.",
+        "",
     ]
