@@ -107,15 +107,15 @@ def headline() -> list[str]:
         f"equal budget ({peers}).",
         "- **Loss:** with the question inside the prompt, at equal memory mlx-lm's "
         "own 4-bit cache keeps the needle that every query-aware eviction method "
-        "loses (kvzip's aware run is in docs/results.md).",
+        "loses at 256 rows (kvzip without its reconstruction pass included).",
         "- **Loss:** KIVI and A2ATS decode slower than the full cache here; A2ATS "
         "saves compute only where attention dominates (not measured here), and "
         "its 256-centroid codebook finds a passkey far less often than exact "
         "retrieval does.",
         "- **Loss:** adaptive KIVI widths do no better than interpolating "
-        "between uniform 2 and 3 bits; Q-Filters and `knorm` with `recent=0` "
-        "fail the passkey task at budgets 128-512 (knorm's measured default, "
-        "half the budget recent, has no passkey run yet).",
+        "between uniform 2 and 3 bits; Q-Filters fails the passkey task at "
+        "budgets 128-512, `knorm` (even with its measured default) and "
+        "`expected_attention` keep at most 4 of 20 answers.",
     ]
     wrapped = [textwrap.fill(b, 84, subsequent_indent="  ") for b in bullets]
     return [*table(head, rows), "", *wrapped]
