@@ -2,7 +2,7 @@
 computed from the results files in scripts/results/ (see make_results_doc.py).
 `headline` is the README's results summary."""
 
-from . import budgets, eval_runs, peers, speed, studies
+from . import budgets, eval_runs, peers, quantized, speed, studies
 from .headline import headline
 
 __all__ = ["SECTIONS", "headline"]
@@ -13,6 +13,7 @@ SECTIONS = [
     peers.versus_veloxquant,
     speed.memory,
     speed.decode_quantized,
+    quantized.quantizer_grid,
     speed.decode_eviction,
     speed.overhead,
     budgets.perplexity,
