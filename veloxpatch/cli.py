@@ -32,6 +32,12 @@ def main():
 @click.option("--algo", default="full", show_default=True)
 @click.option("--budget", type=int, default=None, help="KV rows kept per head")
 @click.option(
+    "--max-kv-bytes",
+    default=None,
+    metavar="SIZE",
+    help="instead of --budget: KV bytes held, e.g. 48MB (the budget follows)",
+)
+@click.option(
     "--algo-arg",
     "algo_args",
     multiple=True,
@@ -54,7 +60,18 @@ def main():
     help="keep quantized weights (default: dequantize on the CPU)",
 )
 @_user_errors
-def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, quantized):
+def generate(
+    model,
+    algo,
+    budget,
+    max_kv_bytes,
+    algo_args,
+    prompt,
+    max_tokens,
+    temp,
+    chat,
+    quantized,
+):
     """Patch the model with ALGO and stream a generation, then print stats."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -70,6 +87,10 @@ def generate(model, algo, budget, algo_args, prompt, max_tokens, temp, chat, qua
         if "budget" in options:
             raise UserError("budget given twice: --budget and --algo-arg budget=")
         options["budget"] = budget
+    if max_kv_bytes is not None:
+        if "max_kv_bytes" in options:
+            raise UserError("max_kv_bytes given twice: --max-kv-bytes and --algo-arg")
+        options["max_kv_bytes"] = max_kv_bytes
     make_options(algo, options)  # fail before the slow load
     prompt = read_prompt(prompt)
     m, tokenizer = load(model, quantized=quantized)

@@ -23,6 +23,8 @@ from ..errors import OptionError
 from .base import PAD_POSITION, VeloxCache
 from .options import CacheOptions, check_int
 
+PLACEHOLDER_BUDGET = 2**30  # max_kv_bytes: the budget until bound to a model
+
 
 @dataclasses.dataclass
 class EvictionOptions(CacheOptions):
@@ -30,7 +32,9 @@ class EvictionOptions(CacheOptions):
     included. `sinks`: first tokens always kept. `kv_bits` (2, 3, 4, 8 or
     "adaptive" with `target_bits`): store the kept rows KIVI-quantized, keys per
     channel over `kv_group` rows, values per row, the newest `kv_residual` rows in
-    full precision (see `kv_bits.py`)."""
+    full precision (see `kv_bits.py`). `max_kv_bytes` (e.g. "48MB", or bytes):
+    instead of `budget`, the largest budget whose bytes held while decoding,
+    over every layer and KV head, stay within it (`kv_budget.py`)."""
 
     budget: int = 256
     sinks: int = 4
@@ -38,6 +42,25 @@ class EvictionOptions(CacheOptions):
     kv_group: int = 32
     kv_residual: int = 128
     target_bits: float | None = None
+    max_kv_bytes: int | str | None = None
+
+    @classmethod
+    def create(cls, algo, options):
+        if options.get("max_kv_bytes") is None:
+            return super().create(algo, options)
+        if options.get("budget") is not None:
+            raise OptionError(
+                f"{algo}: give budget or max_kv_bytes, not both (max_kv_bytes "
+                "sets the budget)"
+            )
+        # validated against a placeholder budget; bind prices the real one
+        opts = super().create(algo, {**options, "budget": PLACEHOLDER_BUDGET})
+        opts.given = (algo, dict(options))
+        return opts
+
+    def decode_extra_rows(self) -> int:
+        """Rows held beyond the budget while decoding (snapkv: its window)."""
+        return 0
 
     def recent_rows(self) -> int:
         """Newest rows never evicted (subclasses: their window or `recent`)."""
@@ -63,6 +86,10 @@ class EvictionOptions(CacheOptions):
         )
         check_int("sinks", self.sinks, 0)
         check_int("budget", self.budget, 1)
+        if self.max_kv_bytes is not None:
+            from .kv_budget import parse_size
+
+            parse_size(self.max_kv_bytes)
         if self.budget <= self.protected():
             raise OptionError(
                 f"budget ({self.budget}) must exceed the protected rows "
@@ -70,11 +97,31 @@ class EvictionOptions(CacheOptions):
             )
 
     def bind(self, model, dims):
+        if self.max_kv_bytes is not None:
+            return self._priced(model, dims)
         if self.kv_bits is not None:
             from .kv_bits import check_group_divides
 
             check_group_divides(dims, self.kv_group, "kv_")
         return super().bind(model, dims)
+
+    def _priced(self, model, dims):
+        """These options with the budget `max_kv_bytes` buys on this model."""
+        from .kv_budget import budget_for_bytes, kv_dtype_size, parse_size
+
+        algo, given = getattr(self, "given", ("options", self.as_dict()))
+        limit = parse_size(self.max_kv_bytes)
+        budget = budget_for_bytes(self, dims, kv_dtype_size(model), limit)
+        try:
+            opts = type(self).create(
+                algo, {**given, "budget": budget, "max_kv_bytes": None}
+            )
+        except OptionError as e:
+            raise OptionError(
+                f"max_kv_bytes={self.max_kv_bytes!r} buys {budget} rows per layer "
+                f"and KV head on this model, too few: {e}"
+            ) from None
+        return opts.bind(model, dims)
 
 
 class EvictingCache(VeloxCache):

@@ -63,7 +63,8 @@ def expand(arm_texts, budgets=()) -> list[Arm]:
     arms = []
     for text in arm_texts:
         arm = parse_arm(text)
-        if budgets and takes_budget(arm.algo) and "budget" not in arm.options:
+        priced = "budget" in arm.options or "max_kv_bytes" in arm.options
+        if budgets and takes_budget(arm.algo) and not priced:
             arms += [Arm(arm.algo, {**arm.options, "budget": b}) for b in budgets]
         else:
             arms.append(arm)
