@@ -147,3 +147,50 @@ def test_priced_options_save_as_their_budget(tmp_path):
         loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
     assert loaded[0].options.budget == patch.options.budget
     assert loaded[0].options.max_kv_bytes is None
+
+
+def test_memory_sizes_expand_every_arm_with_a_budget():
+    from veloxpatch.eval.arms import expand
+
+    arms = expand(
+        ["snapkv:window=4", "h2o:kv_bits=4", "mlx.rotating", "mlx.quantized:kv_bits=4"]
+        + ["kivi", "full", "tova:budget=64"],
+        memory=["6MB", "12MB"],
+    )
+    assert [a.label for a in arms] == [
+        "snapkv:max_kv_bytes=6MB,window=4",
+        "snapkv:max_kv_bytes=12MB,window=4",
+        "h2o:kv_bits=4,max_kv_bytes=6MB",
+        "h2o:kv_bits=4,max_kv_bytes=12MB",
+        "mlx.rotating:max_kv_bytes=6MB",
+        "mlx.rotating:max_kv_bytes=12MB",
+        "mlx.quantized:kv_bits=4",  # at its own size
+        "kivi",
+        "full",
+        "tova:budget=64",  # names its budget
+    ]
+    assert arms[0].family == arms[1].family == "snapkv:window=4"
+    with pytest.raises(OptionError, match="not both"):
+        expand(["snapkv"], budgets=[64], memory=["6MB"])
+
+
+def test_arms_at_equal_bytes_hold_at_most_those_bytes():
+    # ours (dense and quantized) and mlx-lm's rotating cache, priced in bytes,
+    # through the evaluation's own continuation run
+    from veloxpatch.eval.arms import expand
+    from veloxpatch.eval.metrics import evaluate_continuation
+    from veloxpatch.eval.peers import mlx_caches
+
+    model = tiny_model("llama", head_dim=32)
+    limit = 100_000
+    rows = limit // (LAYERS_HEADS * 2 * 32 * 4)  # rotating: keys and values only
+    rotating = mlx_caches(model, "rotating", {"max_kv_bytes": limit})
+    assert {c.max_size for c in rotating} == {rows}
+    arms = expand(
+        ["h2o", "snapkv:window=4", "tova:kv_bits=4,kv_residual=8", "mlx.rotating"],
+        memory=[limit],
+    )
+    ids = prompt_tokens(200).tolist()
+    results = evaluate_continuation(model, arms, ids[:120], ids[120:], 32)
+    for r in results:
+        assert 0.3 * limit < r.kv_bytes <= limit, (r.arm, r.kv_bytes)
