@@ -111,8 +111,10 @@ def generate(
             click.echo(last.text, nl=False)
         click.echo()
     if last is not None:
+        bought = getattr(patch.options, "budget", None) if max_kv_bytes else None
+        label = algo if bought is None else f"{algo}, budget {bought} rows"
         click.echo(
-            f"[{algo}] prompt {last.prompt_tokens} tok | generated "
+            f"[{label}] prompt {last.prompt_tokens} tok | generated "
             f"{last.generation_tokens} tok | prefill {last.prompt_tps:.1f} tok/s | "
             f"decode {last.generation_tps:.1f} tok/s | KV held {kv_bytes(caches):,} B"
             f" | full KV {full_kv_bytes(caches):,} B",
