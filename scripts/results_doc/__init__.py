@@ -14,6 +14,7 @@ SECTIONS = [
     speed.memory,
     speed.decode_quantized,
     quantized.quantizer_grid,
+    quantized.eviction_holes,
     speed.decode_eviction,
     speed.overhead,
     budgets.perplexity,
