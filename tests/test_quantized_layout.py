@@ -199,7 +199,7 @@ def test_quantized_eviction_masks_exactly_the_evicted_rows(algo):
     # the dequantized slots with that mask.
     model = tiny_model("llama", head_dim=32)
     extra = dict(window=4) if algo in ("snapkv", "adakv") else dict(sinks=2)
-    ids = prompt_tokens(130)
+    ids = prompt_tokens(140)
     with veloxpatch.patched(
         model, algo, budget=48, kv_bits=4, kv_residual=8, **extra
     ) as patch:
@@ -220,5 +220,9 @@ def test_quantized_eviction_masks_exactly_the_evicted_rows(algo):
                     a = sorted(p for p in rows[0, h].tolist() if p != PAD_POSITION)
                     s = view.slot_pos[0, h].tolist()
                     assert sorted(p for p in s if p != PAD_POSITION) == a
+        # a second turn: a chunk long enough to be attended densely, over slots
+        # with holes (masked by position, not "causal")
+        assert caches[0].holes > 0 or algo in ("snapkv", "adakv")
+        model(prompt_tokens(40, seed=5)[None], cache=caches)
     assert max(holes) > 0  # rows were evicted from quantized slots
     assert any(seen)  # and attention read quantized slots

@@ -10,7 +10,10 @@ attention and to scoring in place of dense keys and values:
   p.V on mlx's quantized kernels (`quantized.py`) for the store and dense
   matmuls for the residual. GQA never repeats keys: the query heads that share
   a KV head are stacked as rows, q [B, Hkv, rep * L, D]. Holes and padding rows
-  (position PAD) and future positions are masked.
+  (position PAD) and future positions are masked. A call of DENSE_QUERIES
+  queries or more (a prefill chunk) instead dequantizes the slots once and runs
+  the fused kernel: materialising its L x slots scores would cost more time
+  and memory than one dense copy of the rows for the length of the call.
 - `logits(q)`: q . K^T for q [B, Hkv, M, D], per row (what scoring reads).
 """
 
@@ -18,13 +21,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+DENSE_QUERIES = 32
+
 
 class QuantizedView:
-    def __init__(self, store, keys, values, slot, rows, qstart=0, slot_pos=None):
+    def __init__(
+        self, store, keys, values, slot, rows, qstart=0, slot_pos=None, in_order=False
+    ):
         self.store, self.keys, self.values = store, keys, values
         self.slot, self.rows = slot, rows
         self.qstart = qstart  # position of the call's first query
         self.slot_pos = slot_pos  # [B, H, S]: None when nothing needs masking
+        self.in_order = in_order  # slots in position order, no holes or padding
 
     @property
     def shape(self) -> tuple:
@@ -62,7 +70,29 @@ class QuantizedView:
             out = r if out is None else out + r
         return out
 
+    def dense(self) -> tuple[mx.array, mx.array]:
+        """Keys and values of every slot [B, H, S, D], dequantized (a copy)."""
+        if self.store is None or not self.store.rows:
+            return self.keys, self.values
+        dk, dv = self.store.dequantize(self.keys.dtype)
+        keys = mx.concatenate([dk, self.keys], axis=2)
+        return keys, mx.concatenate([dv, self.values], axis=2)
+
+    def _attend_dense(self, q: mx.array, scale: float) -> mx.array:
+        keys, values = self.dense()
+        L, rep = q.shape[2], q.shape[1] // keys.shape[1]
+        mask = "causal"
+        if not self.in_order:
+            qpos = mx.arange(self.qstart, self.qstart + L, dtype=mx.int32)
+            mask = self.slot_pos[:, :, None, :] <= qpos[:, None]
+            mask = mx.repeat(mask, rep, axis=1) if rep > 1 else mask
+        return mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=scale, mask=mask
+        )
+
     def attend(self, q: mx.array, scale: float) -> mx.array:
+        if q.shape[2] >= DENSE_QUERIES:
+            return self._attend_dense(q, scale)
         B, Hq, L, D = q.shape
         H = self.keys.shape[1]
         rep = Hq // H
