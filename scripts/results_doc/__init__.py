@@ -15,6 +15,7 @@ SECTIONS = [
     speed.decode_quantized,
     quantized.quantizer_grid,
     quantized.eviction_holes,
+    quantized.decode_on_kernels,
     speed.decode_eviction,
     speed.overhead,
     budgets.perplexity,
