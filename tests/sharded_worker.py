@@ -33,8 +33,9 @@ from veloxpatch.errors import VeloxpatchError  # noqa: E402
 PROMPT, NEW, STEP = 44, 8, 13  # prompt tokens, generated tokens, prefill chunk
 LAYERS = 2  # pipeline: one layer per rank
 # kv_bits variants of the algorithms that quantize rows before they evict them
-# (those that hold the whole prompt until it ends): their eviction moves a
-# head's extra quantized rows, decided over all heads of the layer
+# (those that hold the whole prompt until it ends): eviction leaves holes in
+# quantized slots and compaction lays each head's rows out again, which every
+# rank must do at the same steps and to the same number of slots
 QUANTIZE_FIRST = ("snapkv", "adakv", "qfilters", "expected_attention")
 
 

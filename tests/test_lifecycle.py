@@ -113,7 +113,14 @@ def test_trim_into_quantized_rows():
         assert caches[0].quantized == 96
         for c in caches:
             c.trim(40)
-        assert [(c.offset, c.rows, c.quantized) for c in caches][0] == (60, 60, 60)
+        # groups of 32 are quantized together: the second group stays, its last
+        # 4 slots (positions 60-63) become holes that attention masks
+        assert [(c.offset, c.rows, c.quantized, c.holes) for c in caches][0] == (
+            60,
+            60,
+            64,
+            4,
+        )
         fresh = patch.make_cache()
         model(prompt_tokens(100)[None, :60], cache=fresh)
         nxt = prompt_tokens(5, seed=3)[None]

@@ -32,6 +32,12 @@ def main():
 @click.option("--algo", default="full", show_default=True)
 @click.option("--budget", type=int, default=None, help="KV rows kept per head")
 @click.option(
+    "--max-kv-bytes",
+    default=None,
+    metavar="SIZE",
+    help="instead of --budget: KV bytes held, e.g. 48MB (the budget follows)",
+)
+@click.option(
     "--algo-arg",
     "algo_args",
     multiple=True,
@@ -66,6 +72,7 @@ def generate(
     model,
     algo,
     budget,
+    max_kv_bytes,
     algo_args,
     prompt,
     max_tokens,
@@ -91,6 +98,10 @@ def generate(
         options["budget"] = budget
     if cache_path is not None and (options or algo != "full"):
         raise UserError("--cache gives the algorithm and its options; drop --algo")
+    if max_kv_bytes is not None:
+        if "max_kv_bytes" in options:
+            raise UserError("max_kv_bytes given twice: --max-kv-bytes and --algo-arg")
+        options["max_kv_bytes"] = max_kv_bytes
     make_options(algo, options)  # fail before the slow load
     prompt = read_prompt(prompt)
     m, tokenizer = load(model, quantized=quantized)
@@ -118,8 +129,10 @@ def generate(
             click.echo(last.text, nl=False)
         click.echo()
     if last is not None:
+        bought = getattr(patch.options, "budget", None) if max_kv_bytes else None
+        label = algo if bought is None else f"{algo}, budget {bought} rows"
         click.echo(
-            f"[{algo}] prompt {last.prompt_tokens} tok | generated "
+            f"[{label}] prompt {last.prompt_tokens} tok | generated "
             f"{last.generation_tokens} tok | prefill {last.prompt_tps:.1f} tok/s | "
             f"decode {last.generation_tps:.1f} tok/s | KV held {kv_bytes(caches):,} B"
             f" | full KV {full_kv_bytes(caches):,} B",

@@ -20,18 +20,26 @@ from .cli_checks import (
 )
 
 
-def _arms(text: str, budgets: list[int]):
-    """The arms `--arms` and `--budgets` name: at least one, none twice, and
-    every budget used by some arm."""
+def _arms(text: str, budgets: list[int], memory: list[str] = ()):
+    """The arms `--arms` and `--budgets` (or `--memory`) name: at least one,
+    none twice, and every budget or size used by some arm."""
+    from .caches.kv_budget import parse_size
     from .eval.arms import expand, split_arms
 
     texts = split_arms(text)
     if not texts:
         raise UserError(f"--arms names no arm, got {text!r}")
-    arms = expand(texts, budgets)
-    if budgets and [a.label for a in arms] == [a.label for a in expand(texts)]:
+    if budgets and memory:
+        raise UserError("--budgets and --memory: give one (both set the budget)")
+    for size in memory:
+        parse_size(size)
+    arms = expand(texts, budgets, memory)
+    flag = "--budgets" if budgets else "--memory"
+    if (budgets or memory) and [a.label for a in arms] == [
+        a.label for a in expand(texts)
+    ]:
         raise UserError(
-            "--budgets applies to no arm (each names its budget or takes none)"
+            f"{flag} applies to no arm (each names its budget or takes none)"
         )
     labels = [a.label for a in arms]
     twice = sorted({x for x in labels if labels.count(x) > 1})
@@ -156,6 +164,13 @@ def _with(options):
     help="passkey: question in the compressed prompt, or asked after compression",
 )
 @click.option(
+    "--memory",
+    default="",
+    metavar="SIZES",
+    help="KV bytes, e.g. 6MB,12MB,24MB: every arm with a budget (ours, "
+    "mlx.rotating) runs at each, as max_kv_bytes; the others once",
+)
+@click.option(
     "--plot",
     "plot_path",
     type=OutputFile(),
@@ -163,7 +178,7 @@ def _with(options):
     help="image (PNG, PDF, SVG...): quality against budget",
 )
 @_user_errors
-def eval_(model, arms, budgets, out, force, tasks, plot_path, **task_options):
+def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_options):
     """Passkey accuracy, perplexity and agreement with full, per arm."""
     from . import models
     from .eval import harness
@@ -180,7 +195,8 @@ def eval_(model, arms, budgets, out, force, tasks, plot_path, **task_options):
         dict.fromkeys(unread),
         f"not read by --tasks {tasks}",
     )
-    arm_list = _arms(arms, budgets)
+    sizes = [s.strip() for s in memory.split(",") if s.strip()]
+    arm_list = _arms(arms, budgets, sizes)
     if not any(a.algo == "full" and not a.options for a in arm_list):
         arm_list.insert(0, Arm("full"))  # the reference every table needs
     arm_list, skipped = _check_arms(arm_list)

@@ -82,4 +82,9 @@ def budget_options(algo: str, options: dict, max_kv_size: int) -> dict:
             "token); patch with an evicting algorithm (its budget is max_kv_size) "
             "or drop max_kv_size"
         )
+    if options.get("max_kv_bytes") is not None:
+        raise UnsupportedCacheOperation(
+            f"max_kv_size={max_kv_size} and max_kv_bytes="
+            f"{options['max_kv_bytes']!r} both set {algo!r}'s budget; drop one"
+        )
     return {**options, "budget": max_kv_size}

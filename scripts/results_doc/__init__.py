@@ -2,7 +2,7 @@
 computed from the results files in scripts/results/ (see make_results_doc.py).
 `headline` is the README's results summary."""
 
-from . import agnostic, budgets, eval_runs, peers, speed, studies
+from . import agnostic, budgets, eval_runs, peers, quantized, speed, studies
 from .headline import headline
 
 __all__ = ["SECTIONS", "headline"]
@@ -15,6 +15,9 @@ SECTIONS = [
     peers.versus_veloxquant,
     speed.memory,
     speed.decode_quantized,
+    quantized.quantizer_grid,
+    quantized.eviction_holes,
+    quantized.decode_on_kernels,
     speed.decode_eviction,
     speed.overhead,
     budgets.perplexity,

@@ -24,7 +24,10 @@ def query_probs(q, keys, pos, qstart: int, scale):
     Hkv, T = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     qg = q.reshape(B, Hkv, G * L, D).astype(mx.float32)
-    logits = (qg @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale
+    if hasattr(keys, "logits"):  # quantized rows, read in place (qview.py)
+        logits = keys.logits(qg).astype(mx.float32) * scale
+    else:
+        logits = (qg @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale
     logits = logits.reshape(B, Hkv, G, L, T)
     qpos = mx.arange(qstart, qstart + L, dtype=mx.int32)
     visible = pos[:, :, None, None, :] <= qpos[None, None, None, :, None]

@@ -135,6 +135,8 @@ class VeloxCache(RowStorage, _BaseCache):
         return (q if query_scale is None else q * query_scale), k
 
     def attention(self, q, keys, values, mask, scale):
+        if hasattr(keys, "attend"):  # rows in another layout (qview.py)
+            return keys.attend(q, scale)
         return mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=scale, mask=mask
         )

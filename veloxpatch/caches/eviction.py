@@ -37,6 +37,8 @@ from .options import CacheOptions, check_choice, check_int, check_number
 HEAD_BUDGETS = ("uniform", "adaptive")
 DEFAULT_ALPHA = 0.2  # Ada-KV's floor
 
+PLACEHOLDER_BUDGET = 2**30  # max_kv_bytes: the budget until bound to a model
+
 
 @dataclasses.dataclass
 class EvictionOptions(CacheOptions):
@@ -47,7 +49,10 @@ class EvictionOptions(CacheOptions):
     full precision (see `kv_bits.py`). `head_budget`: "uniform" (every KV head
     keeps `budget` rows) or "adaptive" (Ada-KV: a layer's heads share budget x
     heads rows by their scores, each keeping at least the fraction `alpha`,
-    default 0.2, of the uniform share; see the module docstring)."""
+    default 0.2, of the uniform share; see the module docstring).
+    `max_kv_bytes` (e.g. "48MB", or bytes):
+    instead of `budget`, the largest budget whose bytes held while decoding,
+    over every layer and KV head, stay within it (`kv_budget.py`)."""
 
     budget: int = 256
     sinks: int = 4
@@ -57,6 +62,25 @@ class EvictionOptions(CacheOptions):
     target_bits: float | None = None
     head_budget: str = "uniform"
     alpha: float | None = None
+    max_kv_bytes: int | str | None = None
+
+    @classmethod
+    def create(cls, algo, options):
+        if options.get("max_kv_bytes") is None:
+            return super().create(algo, options)
+        if options.get("budget") is not None:
+            raise OptionError(
+                f"{algo}: give budget or max_kv_bytes, not both (max_kv_bytes "
+                "sets the budget)"
+            )
+        # validated against a placeholder budget; bind prices the real one
+        opts = super().create(algo, {**options, "budget": PLACEHOLDER_BUDGET})
+        opts.given = (algo, dict(options))
+        return opts
+
+    def decode_extra_rows(self) -> int:
+        """Rows held beyond the budget while decoding (snapkv: its window)."""
+        return 0
 
     def recent_rows(self) -> int:
         """Newest rows never evicted (subclasses: their window or `recent`)."""
@@ -92,6 +116,10 @@ class EvictionOptions(CacheOptions):
                 f"alpha (the per-head floor) needs head_budget='adaptive', "
                 f"got head_budget={self.head_budget!r}"
             )
+        if self.max_kv_bytes is not None:
+            from .kv_budget import parse_size
+
+            parse_size(self.max_kv_bytes)
         if self.budget <= self.protected():
             raise OptionError(
                 f"budget ({self.budget}) must exceed the protected rows "
@@ -99,11 +127,31 @@ class EvictionOptions(CacheOptions):
             )
 
     def bind(self, model, dims):
+        if self.max_kv_bytes is not None:
+            return self._priced(model, dims)
         if self.kv_bits is not None:
             from .kv_bits import check_group_divides
 
             check_group_divides(dims, self.kv_group, "kv_")
         return super().bind(model, dims)
+
+    def _priced(self, model, dims):
+        """These options with the budget `max_kv_bytes` buys on this model."""
+        from .kv_budget import budget_for_bytes, kv_dtype_size, parse_size
+
+        algo, given = getattr(self, "given", ("options", self.as_dict()))
+        limit = parse_size(self.max_kv_bytes)
+        budget = budget_for_bytes(self, dims, kv_dtype_size(model), limit)
+        try:
+            opts = type(self).create(
+                algo, {**given, "budget": budget, "max_kv_bytes": None}
+            )
+        except OptionError as e:
+            raise OptionError(
+                f"max_kv_bytes={self.max_kv_bytes!r} buys {budget} rows per layer "
+                f"and KV head on this model, too few: {e}"
+            ) from None
+        return opts.bind(model, dims)
 
 
 def head_budgets(scores: mx.array, prefix: int, alpha: float) -> mx.array:

@@ -1,7 +1,9 @@
 """`knorm` (Devoto et al., 2024): keep the keys with the lowest L2 norm per KV head.
 
 Low-norm keys tend to receive high attention. RoPE is a rotation, so the norm of
-the stored (rotated) key equals that of the pre-RoPE key.
+the stored (rotated) key equals that of the pre-RoPE key. Each row's norm is
+computed once, when the row arrives (with `kv_bits`: of the key before it is
+quantized), and follows its row through eviction.
 """
 
 import dataclasses
@@ -35,6 +37,40 @@ class KNormCache(EvictingCache):
     summary = "lowest key L2 norm per KV head, sinks protected (no queries needed)"
     Options = KNormOptions
 
+    def __init__(self, options=None, layer=0, num_layers=1):
+        super().__init__(options, layer, num_layers)
+        self.norms = None  # [B, Hkv, rows] minus the L2 norm of each row's key
+
+    def after_attend(self, q, new_rows):
+        held = 0 if self.norms is None else self.norms.shape[-1]
+        if self.rows > held:  # the rows this call added
+            keys = self.newest_keys(self.rows - held).astype(mx.float32)
+            add = -mx.linalg.norm(keys, axis=-1)
+            self.norms = (
+                add
+                if self.norms is None
+                else mx.concatenate([self.norms, add], axis=-1)
+            )
+        super().after_attend(q, new_rows)
+
     def scores(self, q):
-        keys, _ = self._view()
-        return -mx.linalg.norm(keys.astype(mx.float32), axis=-1)
+        return self.norms
+
+    def keep_rows(self, idx, pos=None):
+        super().keep_rows(idx, pos)
+        self.norms = mx.take_along_axis(self.norms, idx, axis=-1)
+
+    def truncate_rows(self, n):
+        super().truncate_rows(n)
+        if self.norms is not None:
+            self.norms = self.norms[..., :n]
+
+    def side_arrays(self):
+        side = super().side_arrays()
+        return side + ([self.norms] if self.norms is not None else [])
+
+    def extra_state(self):
+        return {} if self.norms is None else {"norms": self.norms}
+
+    def load_extra_state(self, st):
+        self.norms = st.get("norms")

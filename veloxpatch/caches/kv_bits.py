@@ -1,107 +1,49 @@
 """Quantized storage for any cache: `kivi`, and `kv_bits=` on eviction algorithms.
 
-New rows enter a full-precision residual; after each call (after the algorithm
-has evicted) the oldest whole groups beyond `residual` rows are quantized
-(`quantized.QuantizedStore`). Attention and eviction both see the quantized rows
-dequantized on the fly, so an algorithm scores exactly the keys the model
-attended with. Eviction keeps, per head, any rows: the rows every head keeps
-from quantized storage stay quantized untouched; a head that keeps more of them
-than the others has the extra few moved to the residual as their dequantized
-values (requantized at the next flush), so every head holds the same rows.
+Rows live in slots: first the quantized store's (`quantized.py`, mlx's kernel
+layout), then a residual in the model's dtype. New rows enter the residual;
+after each call (after the algorithm has evicted) the oldest whole groups beyond
+`residual` slots are quantized. Attention and scoring read the slots through
+`qview.QuantizedView`: nothing is dequantized on the decode path.
+
+Eviction on quantized rows: the algorithm keeps any rows per head, as before
+(its side arrays follow its rows); the storage only forgets the evicted rows'
+slots (`slot`: row -> slot), which become holes that attention masks. Nothing
+is moved or requantized until the holes exceed max(group, rows / HOLE_SHARE);
+then `_compact` lays every head's rows out again: quantized groups whose rows
+all survived are kept as they are (gathered per head, exact), the survivors of
+the other groups are requantized together in new groups (a second rounding of
+values quantized once: the price of evicting from a group), the newest rows
+stay in the residual, and the holes are gone. Until anything is quantized,
+eviction gathers the dense rows exactly.
 
 `kv_bits="adaptive"` keeps the prompt in full precision until it ends, then
 gives each KV head 2, 3 or 4 bits from the entropy of its real attention over
-the last prompt window (`allocate_bits`), and quantizes.
+the last prompt window (`kv_options.allocate_bits`), and quantizes.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import mlx.core as mx
 
-from ..errors import OptionError
 from .attention_probs import query_probs
-from .options import check_choice, check_int
+from .kv_options import (  # noqa: F401  (the names callers import from here)
+    ADAPTIVE_WIDTHS,
+    BITS,
+    ENTROPY_WINDOW,
+    GROUPS,
+    allocate_bits,
+    check_group_divides,
+    check_quant,
+    layer_total,
+)
 from .quantized import QuantizedStore
+from .qview import QuantizedView
+from .storage import PAD_POSITION
 
-BITS = (2, 3, 4, 8)
-GROUPS = (32, 64, 128)  # multiples of the 32 codes a packed word holds
-ADAPTIVE_WIDTHS = (2, 3, 4)
-ENTROPY_WINDOW = 32  # last prompt queries whose attention sets adaptive widths
-
-
-def check_quant(bits, group, residual, target_bits, prefix: str = "") -> None:
-    """Validate quantization options (`prefix`: "kv_" on eviction algorithms,
-    where bits may be None: no quantization)."""
-    if bits is None and prefix:
-        pass
-    elif bits != "adaptive" and (isinstance(bits, bool) or bits not in BITS):
-        raise OptionError(
-            f"{prefix}bits must be one of {BITS} or 'adaptive', got {bits!r}"
-        )
-    check_choice(f"{prefix}group", group, GROUPS)
-    check_int(f"{prefix}residual", residual, 0)
-    if bits == "adaptive":
-        lo, hi = ADAPTIVE_WIDTHS[0], ADAPTIVE_WIDTHS[-1]
-        ok = isinstance(target_bits, (int, float)) and not isinstance(target_bits, bool)
-        if not ok or not lo <= target_bits <= hi:
-            raise OptionError(
-                f"target_bits must be a number in [{lo}, {hi}] with "
-                f"{prefix}bits='adaptive', got {target_bits!r}"
-            )
-    elif target_bits is not None:
-        raise OptionError(f"target_bits needs {prefix}bits='adaptive'")
-
-
-def check_group_divides(dims, group: int, prefix: str = "") -> None:
-    widths = set(dims.head_dims)
-    if any(d % group for d in widths):
-        raise OptionError(
-            f"{prefix}group ({group}) must divide the head dim {sorted(widths)}: "
-            "values are quantized per token in groups of channels"
-        )
-
-
-def layer_total(target: float, heads: int, layer: int) -> int:
-    """Bits of a layer's heads together: running rounding of target x heads over
-    the layers, so the model-wide mean is on target even when a layer's is not."""
-
-    def upto(n):
-        return math.floor(target * heads * n + 0.5)
-
-    return upto(layer + 1) - upto(layer)
-
-
-def allocate_bits(entropy: list[float], total: int) -> tuple[int, ...]:
-    """Widths from {2, 3, 4} summing to `total` (at most): each head weighs
-    exp(entropy) (how many rows its attention spreads over) and each extra bit
-    goes where it removes the most weighted error, w x 4^-bits. Heads with equal
-    weight and width are served together or not at all, so the result follows
-    the heads when they are permuted; bits such a tie cannot share are left out."""
-    lo, hi = ADAPTIVE_WIDTHS[0], ADAPTIVE_WIDTHS[-1]
-    weights = [float(f"{math.exp(e):.6g}") for e in entropy]
-    bits = [lo] * len(weights)
-    left = total - lo * len(weights)
-    frozen = set()
-    while left > 0:
-        gains = {
-            h: w * 4.0 ** -bits[h]
-            for h, w in enumerate(weights)
-            if bits[h] < hi and h not in frozen
-        }
-        if not gains:
-            break
-        best = max(gains.values())
-        tied = [h for h, g in gains.items() if g == best]
-        if len(tied) > left:
-            frozen.update(tied)
-            continue
-        for h in tied:
-            bits[h] += 1
-        left -= len(tied)
-    return tuple(bits)
+HOLE_SHARE = 4  # compact once holes exceed rows / HOLE_SHARE (and a group)
 
 
 class QuantizedKV:
@@ -110,50 +52,112 @@ class QuantizedKV:
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)
-        # self.keys / self.values: the full-precision residual [B, Hkv, Tr, D]
+        # self.keys / self.values: the residual [B, Hkv, slots - quantized, D]
         self.store: QuantizedStore | None = None
+        self.slot = None  # row -> slot [B, Hkv, rows] int32; None: row r = slot r
         self.window_q = None  # adaptive: last prompt queries [B, Hq, W, D]
 
-    # ---- storage ------------------------------------------------------------------
+    # ---- slots --------------------------------------------------------------------
     @property
     def quantized(self) -> int:
+        """Slots in quantized storage (holes included)."""
         return 0 if self.store is None else self.store.rows
 
+    @property
+    def slots(self) -> int:
+        return self.quantized + (0 if self.keys is None else self.keys.shape[2])
+
+    @property
+    def holes(self) -> int:
+        return self.slots - self.rows
+
+    def _dense(self) -> bool:
+        """Nothing quantized and row r in slot r: plain dense rows."""
+        return self.quantized == 0 and self.slot is None
+
+    def _slot_map(self) -> mx.array:
+        if self.slot is not None:
+            return self.slot
+        B, H = self.keys.shape[:2]
+        return mx.broadcast_to(mx.arange(self.rows, dtype=mx.int32), (B, H, self.rows))
+
+    def slot_positions(self) -> mx.array:
+        """Position of every slot [B, Hkv, slots]; holes at PAD_POSITION."""
+        pos = self.positions_view()
+        if self.slot is None:
+            return pos
+        B, H = pos.shape[:2]
+        base = mx.full((B, H, self.slots), PAD_POSITION, mx.int32)
+        return mx.put_along_axis(base, self.slot, pos, axis=-1)
+
+    # ---- storage ------------------------------------------------------------------
     def _append(self, k, v, offset):
+        B, H, L = k.shape[:3]
+        first = self.slots
         if self.keys is None:
             self.keys, self.values = k, v
         else:
             self.keys = mx.concatenate([self.keys, k], axis=2)
             self.values = mx.concatenate([self.values, v], axis=2)
         if self.positions is not None:
-            B, H, L = *k.shape[:2], k.shape[2]
             new = mx.arange(offset, offset + L, dtype=mx.int32)
             self.positions = mx.concatenate(
                 [self.positions, mx.broadcast_to(new, (B, H, L))], axis=2
             )
-        self.rows = self.quantized + self.keys.shape[2]
-        return self._view()
+        if self.slot is not None:
+            new = mx.arange(first, first + L, dtype=mx.int32)
+            self.slot = mx.concatenate(
+                [self.slot, mx.broadcast_to(new, (B, H, L))], axis=2
+            )
+        self.rows += L
+        return self._view(offset, L)
 
-    def _view(self):
-        if not self.quantized:
+    def _view(self, qstart=None, L=0):
+        """Dense keys and values while nothing is quantized, else a
+        QuantizedView standing for both (masked when holes, padding or several
+        new queries need it)."""
+        if self._dense():
             return self.keys, self.values
-        keys, values = self.store.dequantize(self.keys.dtype)
-        keys = mx.concatenate([keys, self.keys], axis=2)
-        return keys, mx.concatenate([values, self.values], axis=2)
+        masked = L > 1 or self.holes > 0 or self.padded
+        view = QuantizedView(
+            self.store,
+            self.keys,
+            self.values,
+            self.slot,
+            self.rows,
+            self.offset if qstart is None else qstart,
+            self.slot_positions() if masked else None,
+            self.slot is None and not self.padded,  # "causal" is exact
+        )
+        return view, view
+
+    def newest_keys(self, n: int) -> mx.array:
+        return self.keys[:, :, self.keys.shape[2] - n :]
+
+    def take_stored(self, idx):
+        idx = idx.astype(mx.int32)
+        if self._dense():
+            self.keys = mx.take_along_axis(self.keys, idx[..., None], axis=2)
+            self.values = mx.take_along_axis(self.values, idx[..., None], axis=2)
+        else:  # the evicted rows' slots become holes
+            self.slot = mx.take_along_axis(self._slot_map(), idx, axis=-1)
 
     def truncate_rows(self, n):
-        tq = self.quantized
-        if n >= tq:
+        if self.positions is not None:  # held exactly, not in a grown buffer
+            self.positions = self.positions[..., :n]
+        tq, g = self.quantized, self.options.kv_group
+        if self.slot is not None:
+            self.slot = self.slot[..., :n]
+        elif n >= tq:
             self.keys, self.values = (
                 self.keys[:, :, : n - tq],
                 self.values[:, :, : n - tq],
             )
-        else:
+        else:  # whole groups stay; the rest of the last one is holes
             B, H = self.keys.shape[:2]
-            self.store.take(mx.broadcast_to(mx.arange(n, dtype=mx.int32), (B, H, n)))
+            self.store.truncate(-(-n // g) * g)
             self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
-        if self.positions is not None:  # held exactly, not in a grown buffer
-            self.positions = self.positions[..., :n]
+            self.slot = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (B, H, n))
         self.rows = n
 
     def trim(self, n):
@@ -163,33 +167,37 @@ class QuantizedKV:
             self.window_q = self.window_q[:, :, :kept] if kept > 0 else None
         return n
 
-    def take_stored(self, idx):
-        idx = idx.astype(mx.int32)  # argsort gives uint32: row - tq must go negative
-        tq = self.quantized
-        if not tq:
-            self.keys = mx.take_along_axis(self.keys, idx[..., None], axis=2)
-            self.values = mx.take_along_axis(self.values, idx[..., None], axis=2)
-        else:
-            # The first n rows every head keeps from quantized storage stay there;
-            # a head's later quantized rows go to the residual, dequantized.
-            lead = mx.cumprod((idx < tq).astype(mx.int32), axis=-1).sum(-1)
-            # over the heads of every rank, so every rank quantizes the same rows
-            n = int(self.shards.all_heads(lead).min().item())
-            rest = idx[..., n:]
-            if rest.shape[-1]:
-                old = self.store.clone()
-                old.take(mx.minimum(rest, tq - 1))
-                dk, dv = old.dequantize(self.keys.dtype)
-                if self.keys.shape[2]:
-                    is_q = (rest < tq)[..., None]
-                    r = mx.maximum(rest - tq, 0)[..., None]
-                    rk = mx.take_along_axis(self.keys, r, axis=2)
-                    rv = mx.take_along_axis(self.values, r, axis=2)
-                    dk, dv = mx.where(is_q, dk, rk), mx.where(is_q, dv, rv)
-                self.keys, self.values = dk, dv  # (an empty residual: all moved)
-            else:
-                self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
-            self.store.take(idx[..., :n])
+    def _compact(self) -> None:
+        """Lay every head's rows out again with no holes (see the module doc)."""
+        g, K, tq, S = self.options.kv_group, self.rows, self.quantized, self.slots
+        B, H = self.keys.shape[:2]
+        slot = self._slot_map()
+        order = mx.broadcast_to(mx.arange(K, dtype=mx.int32), (B, H, K))
+        n_intact = mx.zeros((B, H), mx.int32)
+        if tq:
+            live = mx.zeros((B, H, S), mx.int32)
+            live = mx.put_along_axis(live, slot, mx.array(1, mx.int32), axis=-1)
+            intact = live[..., :tq].reshape(B, H, tq // g, g).sum(-1) == g
+            group = mx.minimum(slot // g, tq // g - 1)
+            whole = (slot < tq) & mx.take_along_axis(intact, group, axis=-1)
+            # rows of intact groups first, in slot order (so group by group)
+            order = mx.argsort(mx.where(whole, slot, S + order), axis=-1)
+            n_intact = whole.sum(-1) // g
+        src = mx.take_along_axis(slot, order, axis=-1)  # old slot of each new one
+        keys, values = self.keys, self.values
+        if tq:
+            dk, dv = self.store.dequantize(keys.dtype)
+            keys = mx.concatenate([dk, keys], axis=2)
+            values = mx.concatenate([dv, values], axis=2)
+        keys = mx.take_along_axis(keys, src[..., None], axis=2)
+        values = mx.take_along_axis(values, src[..., None], axis=2)
+        new_tq = max(0, (K - self.options.kv_residual) // g) * g
+        firsts = mx.arange(0, new_tq, g, dtype=mx.int32)
+        exact = firsts // g < n_intact[..., None]
+        gid = mx.take_along_axis(src, mx.broadcast_to(firsts, (B, H, new_tq // g)), -1)
+        self.store.rebuild(keys[:, :, :new_tq], values[:, :, :new_tq], exact, gid // g)
+        self.keys, self.values = keys[:, :, new_tq:], values[:, :, new_tq:]
+        self.slot = mx.argsort(order, axis=-1).astype(mx.int32) if tq else None
 
     # ---- when rows are quantized --------------------------------------------------
     @property
@@ -201,7 +209,7 @@ class QuantizedKV:
         if self._adaptive and self.store is None:
             w = q if self.window_q is None else mx.concatenate([self.window_q, q], 2)
             self.window_q = w[:, :, -ENTROPY_WINDOW:]
-        self._flush()
+        self._settle()
 
     def end_prompt(self):
         if self._adaptive and self.store is None and self.window_q is not None:
@@ -214,7 +222,7 @@ class QuantizedKV:
             self.window_q = None
         else:
             super().end_prompt()
-        self._flush()
+        self._settle()
 
     def head_entropy(self) -> list[float]:
         """Entropy of each KV head's attention (mean over the window's queries and
@@ -228,33 +236,41 @@ class QuantizedKV:
         ent = -mx.where(p > 0, p * mx.log(p), 0.0).sum(-1)  # [B, Hkv, G, L]
         return self.shards.all_heads(ent.mean(axis=(0, 2, 3)), axis=0).tolist()
 
-    def _flush(self) -> None:
-        """Quantize the oldest whole groups beyond `kv_residual` rows."""
+    def _settle(self) -> None:
+        """Compact if the holes are too many, then quantize the oldest whole
+        groups beyond `kv_residual` slots."""
         o = self.options
+        if self.store is not None and self.holes > max(
+            o.kv_group, self.rows // HOLE_SHARE
+        ):
+            self._compact()
         if self.store is None:
             if self._adaptive or self.keys is None:
                 return  # adaptive: widths are chosen when the prompt ends
             self.store = QuantizedStore((o.kv_bits,) * self.keys.shape[1], o.kv_group)
         n = (self.keys.shape[2] - o.kv_residual) // o.kv_group * o.kv_group
-        if n <= 0:
-            return
-        self.store.append(self.keys[:, :, :n], self.values[:, :, :n])
-        self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
+        if n > 0:
+            self.store.append(self.keys[:, :, :n], self.values[:, :, :n])
+            self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
 
     def side_arrays(self):
         side = super().side_arrays() + [self.keys, self.values]
         side += [] if self.store is None else self.store.arrays()
+        side += [] if self.slot is None else [self.slot]
         return side + ([] if self.window_q is None else [self.window_q])
 
     # ---- contract -----------------------------------------------------------------
     def held_arrays(self):
         store = [] if self.store is None else self.store.arrays()
-        return super().held_arrays() + store
+        slot = [] if self.slot is None else [self.slot]
+        return super().held_arrays() + store + slot
 
     def storage_arrays(self) -> dict:
         st = {"keys": self.keys, "values": self.values}  # the residual
         if self.positions is not None:
             st["positions"] = self.positions
+        if self.slot is not None:
+            st["slot"] = self.slot
         if self.store is not None:
             st.update(self.store.state())
         if self.window_q is not None:
@@ -263,11 +279,16 @@ class QuantizedKV:
 
     def load_storage(self, st):
         self.store = QuantizedStore.from_state(st, self.options.kv_group)
-        for k in [k for k in st if k == "q.bits" or k[:1] + k[2:3] == "q."]:
+        for k in [k for k in st if k.split(".")[0] in ("q", *self._part_names())]:
             st.pop(k)
+        self.slot = st.pop("slot", None)
         self.window_q = st.pop("window_q", None)
         super().load_storage(st)
-        self.rows += self.quantized
+        self.rows = self.slots if self.slot is None else self.slot.shape[-1]
+
+    @staticmethod
+    def _part_names():
+        return tuple(f"q{w}" for w in BITS)
 
     def clone(self):
         new = super().clone()

@@ -101,6 +101,10 @@ class QFiltersCache(EvictingCache):
 
     def scores(self, q):
         keys, _ = self._view()
+        if hasattr(keys, "logits"):  # quantized rows, read in place (qview.py)
+            B, H, _, D = keys.shape
+            f = mx.broadcast_to(self.filter[None, :, None, :], (B, H, 1, D))
+            return keys.logits(f.astype(mx.float32))[:, :, 0].astype(mx.float32)
         return (keys.astype(mx.float32) * self.filter[None, :, None, :]).sum(-1)
 
     def extra_state(self):

@@ -1,66 +1,86 @@
-"""KIVI-style quantized rows: the storage behind `kivi` and `kv_bits=`.
+"""Quantized rows on mlx's kernels: the storage behind `kivi` and `kv_bits=`.
 
-Asymmetric min/max quantization (Liu et al., 2024): one scale and one zero point
-per group (fp16), code = round((x - zero) / scale), codes packed as bit planes
-(`bits` uint32 words per 32 values, so 3 bits packs as tightly as 2 or 4).
+Keys are stored transposed, K^T [B, H, D, T], and quantized along T in groups
+of `group` tokens: one scale and bias per channel and group of tokens, KIVI's
+per-channel keys. Values [B, H, T, D] are quantized along D in groups of `group`
+channels, per token. Both are mlx's packed affine layout (codes as a
+little-endian bit stream in uint32 words, scales and biases in the model's
+dtype), so attention never dequantizes:
 
-Keys are quantized per channel: each channel of each run of `group` rows shares
-a scale. Values are quantized per row, in groups of `group` channels. Every row
-stores its own packed codes, and a key row refers to its group's scale by index,
-so rows can be evicted one by one without requantizing what stays: a row keeps
-its codes and its group's scale for as long as it is held.
+    q . K^T = quantized_matmul(q, Kt_w, Kt_s, Kt_b, transpose=False)
+    p . V   = quantized_matmul(p, V_w, V_s, V_b, transpose=False)
+
+(the second is how mlx-lm's quantized attention reads values). Rows are added
+in whole groups; a group of keys shares its scales, so rows are never taken out
+one by one: whole groups are gathered per head (`take_groups`), anything else is
+requantized (`rebuild`).
+
+Which grid: `QUANTIZER` "mlx" is `mx.quantize` (affine, its grid snapped so
+that 0 is exact); "minmax" is the paper's asymmetric min/max grid (scale
+(max - min) / (2^bits - 1), zero point min) packed in the same layout. Both
+run on the same kernels; scripts/quantizer_kl.py compares them on SmolLM2.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-_SHIFTS = mx.arange(32, dtype=mx.uint32)
+QUANTIZER = "minmax"
 
 
 def pack(codes: mx.array, bits: int) -> mx.array:
-    """uint32 codes [..., n] (n a multiple of 32) -> bit planes [..., n/32*bits]."""
+    """uint32 codes [..., n] (n a multiple of 32) -> mlx's packed words
+    [..., n / 32 * bits]: code i at bits i*bits .. i*bits + bits - 1 of the
+    little-endian bit stream (what mx.quantize writes, for every width)."""
     *lead, n = codes.shape
-    words = codes.reshape(*lead, n // 32, 32)
-    planes = [(((words >> j) & 1) << _SHIFTS).sum(-1) for j in range(bits)]
-    return mx.stack(planes, axis=-1).astype(mx.uint32).reshape(*lead, n // 32 * bits)
+    if 32 % bits == 0:  # whole codes per word: shift and add
+        per = 32 // bits
+        shifts = mx.arange(per, dtype=mx.uint32) * bits
+        words = codes.reshape(*lead, n // per, per) << shifts
+        return words.sum(-1).astype(mx.uint32)
+    c = codes.reshape(*lead, n // 32, 32).astype(mx.uint64)
+    start = mx.arange(32, dtype=mx.uint64) * bits
+    shifted = c << (start % 32)  # within its first word; may spill into the next
+    word = (start // 32).astype(mx.int32)[:, None]
+    lo = (word == mx.arange(bits)[None]).astype(mx.uint64)  # [32, bits]
+    hi = (word + 1 == mx.arange(bits)[None]).astype(mx.uint64)
+    low = (shifted & 0xFFFFFFFF)[..., None] * lo
+    words = low.sum(-2) + ((shifted >> 32)[..., None] * hi).sum(-2)
+    return words.astype(mx.uint32).reshape(*lead, n // 32 * bits)
 
 
-def unpack(packed: mx.array, bits: int) -> mx.array:
-    """The inverse of `pack`: uint32 codes [..., n]."""
-    *lead, words = packed.shape
-    planes = packed.reshape(*lead, words // bits, bits)
-    codes = sum(((planes[..., j : j + 1] >> _SHIFTS) & 1) << j for j in range(bits))
-    return codes.reshape(*lead, words // bits * 32)
+def minmax_quantize(x: mx.array, group: int, bits: int):
+    """The paper's grid in mlx's layout: (words, scales, biases) along the last
+    axis, scales and biases in x's dtype."""
+    *lead, n = x.shape
+    g = x.astype(mx.float32).reshape(*lead, n // group, group)
+    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+    scales = ((hi - lo) / (2**bits - 1)).astype(x.dtype)
+    biases = lo.astype(x.dtype)
+    s = mx.maximum(scales.astype(mx.float32), 1e-12)  # a constant group: code 0
+    codes = mx.round((g - biases.astype(mx.float32)) / s)
+    codes = mx.clip(codes, 0, 2**bits - 1).astype(mx.uint32).reshape(*lead, n)
+    return pack(codes, bits), scales[..., 0], biases[..., 0]
 
 
-def minmax(x: mx.array, axis: int, bits: int) -> tuple:
-    """(codes uint32, scales, zeros) of x, one group along `axis` (kept as size 1
-    in scales and zeros, which are fp16)."""
-    x = x.astype(mx.float32)
-    lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
-    zeros = lo.astype(mx.float16)
-    scales = ((hi - lo) / (2**bits - 1)).astype(mx.float16)
-    s = mx.maximum(scales.astype(mx.float32), 1e-8)  # a constant group: code 0
-    codes = mx.round((x - zeros.astype(mx.float32)) / s)
-    return mx.clip(codes, 0, 2**bits - 1).astype(mx.uint32), scales, zeros
+def quantize(x: mx.array, group: int, bits: int):
+    """(words, scales, biases) of x along its last axis, groups of `group`."""
+    if QUANTIZER == "minmax":
+        return minmax_quantize(x, group, bits)
+    return mx.quantize(x, group_size=group, bits=bits)
 
 
-def _affine(codes, scales, zeros):
-    return codes.astype(mx.float32) * scales.astype(mx.float32) + zeros.astype(
-        mx.float32
-    )
+def _cat(old, new, axis):
+    return new if old is None else mx.concatenate([old, new], axis=axis)
 
 
 class QuantizedRows:
-    """Quantized keys and values of heads sharing one width: [B, H, T, ...].
+    """Quantized rows of heads sharing one width, [B, H, ...].
 
-    Keys: `kcodes` [B, H, T, D/32*bits], scales and zeros `kscale`, `kzero`
-    [B, H, G, D], and `kgroup` [B, H, T] (the group of each row; None while row t
-    is in group t // group). Values: `vcodes` like keys, `vscale`, `vzero`
-    [B, H, T, D/group]."""
+    Keys: `kw` [B, H, D, T/32*bits], `ks`, `kb` [B, H, D, T/group].
+    Values: `vw` [B, H, T, D/32*bits], `vs`, `vb` [B, H, T, D/group]."""
 
-    NAMES = ("kcodes", "kscale", "kzero", "kgroup", "vcodes", "vscale", "vzero")
+    NAMES = ("kw", "ks", "kb", "vw", "vs", "vb")
 
     def __init__(self, bits: int, group: int):
         self.bits, self.group = bits, group
@@ -69,96 +89,114 @@ class QuantizedRows:
 
     @property
     def rows(self) -> int:
-        return 0 if self.kcodes is None else self.kcodes.shape[2]
+        return 0 if self.vw is None else self.vw.shape[2]
+
+    def _qmm(self, x, w, s, b):
+        return mx.quantized_matmul(
+            x, w, s, b, transpose=False, group_size=self.group, bits=self.bits
+        )
 
     def append(self, k: mx.array, v: mx.array) -> None:
         """Quantize and add rows [B, H, n, D]; n is a multiple of `group`."""
-        B, H, n, D = k.shape
-        g, bits = self.group, self.bits
-        codes, ks, kz = minmax(k.reshape(B, H, n // g, g, D), 3, bits)
-        kcodes = pack(codes.reshape(B, H, n, D), bits)
-        codes, vs, vz = minmax(v.reshape(B, H, n, D // g, g), 4, bits)
-        vcodes = pack(codes.reshape(B, H, n, D), bits)
-        new = dict(kcodes=kcodes, kscale=ks[:, :, :, 0], kzero=kz[:, :, :, 0])
-        new.update(vcodes=vcodes, vscale=vs[..., 0], vzero=vz[..., 0])
-        if self.kgroup is not None:
-            first = self.kscale.shape[2]
-            ids = first + mx.arange(n, dtype=mx.int32) // g
-            new["kgroup"] = mx.broadcast_to(ids, (B, H, n))
-        for name, value in new.items():
-            old = getattr(self, name)
-            axis = 2
-            setattr(
-                self, name, value if old is None else mx.concatenate([old, value], axis)
-            )
+        kw, ks, kb = quantize(k.swapaxes(-1, -2), self.group, self.bits)
+        vw, vs, vb = quantize(v, self.group, self.bits)
+        self.kw, self.ks, self.kb = (
+            _cat(self.kw, kw, -1),
+            _cat(self.ks, ks, -1),
+            _cat(self.kb, kb, -1),
+        )
+        self.vw, self.vs, self.vb = (
+            _cat(self.vw, vw, 2),
+            _cat(self.vs, vs, 2),
+            _cat(self.vb, vb, 2),
+        )
 
-    def _groups(self) -> mx.array:
-        if self.kgroup is not None:
-            return self.kgroup
-        B, H, T = self.kcodes.shape[:3]
-        ids = mx.arange(T, dtype=mx.int32) // self.group
-        return mx.broadcast_to(ids, (B, H, T))
+    def logits(self, q: mx.array) -> mx.array:
+        """q [B, H, M, D] . K^T -> [B, H, M, T]."""
+        return self._qmm(q, self.kw, self.ks, self.kb)
+
+    def weighted(self, p: mx.array) -> mx.array:
+        """p [B, H, M, T] . V -> [B, H, M, D]."""
+        return self._qmm(p, self.vw, self.vs, self.vb)
 
     def dequantize(self, dtype) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H, T, D] in `dtype` (computed, never stored)."""
-        B, H, T, _ = self.kcodes.shape
-        kc = unpack(self.kcodes, self.bits)
-        D = kc.shape[-1]
-        if self.kgroup is None:
-            ks = mx.repeat(self.kscale, self.group, axis=2)[:, :, :T]
-            kz = mx.repeat(self.kzero, self.group, axis=2)[:, :, :T]
-        else:
-            idx = self.kgroup[..., None]
-            ks = mx.take_along_axis(self.kscale, idx, axis=2)
-            kz = mx.take_along_axis(self.kzero, idx, axis=2)
-        keys = _affine(kc, ks, kz)
-        vc = unpack(self.vcodes, self.bits).reshape(B, H, T, D // self.group, -1)
-        values = _affine(vc, self.vscale[..., None], self.vzero[..., None])
-        return keys.astype(dtype), values.reshape(B, H, T, D).astype(dtype)
+        g, b = self.group, self.bits
+        keys = mx.dequantize(self.kw, self.ks, self.kb, group_size=g, bits=b)
+        values = mx.dequantize(self.vw, self.vs, self.vb, group_size=g, bits=b)
+        return keys.swapaxes(-1, -2).astype(dtype), values.astype(dtype)
 
-    def take(self, idx: mx.array) -> None:
-        """Keep rows idx [B, H, K] of every head, in that order."""
-        if idx.shape[2] == 0:
+    def _by_group(self):
+        """Every array with its groups of rows on one axis: name -> (array
+        reshaped [B, H, ..., G, per-group], axis of G)."""
+        B, H, T = *self.vw.shape[:2], self.rows
+        G = T // self.group
+        out = {}
+        for name in ("kw", "ks", "kb"):  # [B, H, D, T*] -> [B, H, D, G, T*/G]
+            a = getattr(self, name)
+            out[name] = (a.reshape(B, H, a.shape[2], G, a.shape[3] // G), 3)
+        for name in ("vw", "vs", "vb"):  # [B, H, T, x] -> [B, H, G, group*x]
+            a = getattr(self, name)
+            out[name] = (a.reshape(B, H, G, -1), 2)
+        return out
+
+    def _from_groups(self, grouped: dict) -> None:
+        for name, (a, axis) in grouped.items():
+            if axis == 3:
+                setattr(self, name, a.reshape(*a.shape[:3], -1))
+            else:
+                B, H, G, _ = a.shape
+                setattr(self, name, a.reshape(B, H, G * self.group, -1))
+
+    def take_groups(self, gid: mx.array) -> None:
+        """Keep groups gid [B, H, J] of every head, in that order (exact)."""
+        out = {}
+        for name, (a, axis) in self._by_group().items():
+            idx = gid[:, :, None, :, None] if axis == 3 else gid[..., None]
+            out[name] = (mx.take_along_axis(a, idx, axis=axis), axis)
+        self._from_groups(out)
+
+    def rebuild(self, k, v, exact: mx.array, gid: mx.array) -> None:
+        """Replace the rows by k, v [B, H, n, D] quantized, except that group j
+        of head h is the old group gid[b, h, j] unchanged where exact[b, h, j]
+        (its rows are exactly that group's, in order)."""
+        old = self._by_group() if self.vw is not None else None
+        self.__init__(self.bits, self.group)
+        if k.shape[2] == 0:
+            return
+        self.append(k, v)
+        if old is None:
+            return
+        new = self._by_group()
+        gid = mx.minimum(gid, old["vw"][0].shape[2] - 1)
+        out = {}
+        for name, (a, axis) in new.items():
+            o = old[name][0]
+            if axis == 3:
+                kept = mx.take_along_axis(o, gid[:, :, None, :, None], axis=3)
+                out[name] = (mx.where(exact[:, :, None, :, None], kept, a), 3)
+            else:
+                kept = mx.take_along_axis(o, gid[..., None], axis=2)
+                out[name] = (mx.where(exact[..., None], kept, a), 2)
+        self._from_groups(out)
+
+    def truncate(self, rows: int) -> None:
+        """Keep the first `rows` (a multiple of `group`)."""
+        if rows == 0:
             self.__init__(self.bits, self.group)
             return
-        groups = mx.take_along_axis(self._groups(), idx, axis=2)
-        for name in ("kcodes", "vcodes", "vscale", "vzero"):
-            setattr(
-                self,
-                name,
-                mx.take_along_axis(getattr(self, name), idx[..., None], axis=2),
-            )
-        self.kgroup = groups
-        used_bound = 2 * (-(-idx.shape[2] // self.group)) + 1
-        if self.kscale.shape[2] > used_bound:
-            self._drop_unused_groups()
-
-    def _drop_unused_groups(self) -> None:
-        """Forget key groups no row refers to any more (one host sync, only once
-        the table is more than twice what the rows could need)."""
-        G = self.kscale.shape[2]
-        used = mx.zeros((G,), mx.int32).at[self.kgroup.reshape(-1)].add(1) > 0
-        keep = [g for g, u in enumerate(used.tolist()) if u]
-        if len(keep) == G:
-            return
-        remap = mx.cumsum(used.astype(mx.int32)) - 1
-        self.kgroup = remap[self.kgroup]
-        keep = mx.array(keep, dtype=mx.int32)
-        self.kscale, self.kzero = self.kscale[:, :, keep], self.kzero[:, :, keep]
+        T = self.rows
+        for name in ("kw", "ks", "kb"):  # the last axis is proportional to T
+            a = getattr(self, name)
+            setattr(self, name, a[..., : a.shape[-1] * rows // T])
+        for name in ("vw", "vs", "vb"):
+            setattr(self, name, getattr(self, name)[:, :, :rows])
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (getattr(self, n) for n in self.NAMES) if a is not None]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
-
     def state(self, prefix: str) -> dict:
-        return {
-            f"{prefix}.{n}": getattr(self, n)
-            for n in self.NAMES
-            if getattr(self, n) is not None
-        }
+        return {f"{prefix}.{n}": getattr(self, n) for n in self.NAMES if self.rows}
 
     def load(self, st: dict, prefix: str) -> None:
         for n in self.NAMES:
@@ -167,8 +205,8 @@ class QuantizedRows:
 
 class QuantizedStore:
     """Quantized rows of every KV head, each head at its own width (`bits`, one
-    per head): heads of one width are stored together and dequantized back into
-    head order."""
+    per head): heads of one width are stored together, and what attention
+    reads is put back in head order."""
 
     def __init__(self, bits: tuple[int, ...], group: int):
         self.bits, self.group = tuple(bits), group
@@ -191,23 +229,39 @@ class QuantizedStore:
             return [x]
         return [x[:, mx.array(heads)] for heads in self.heads]
 
+    def _join(self, xs: list) -> mx.array:
+        if len(xs) == 1:
+            return xs[0]
+        x = mx.concatenate(xs, axis=1)
+        return x if self.inverse is None else x[:, self.inverse]
+
     def append(self, k, v) -> None:
         for part, kh, vh in zip(self.parts, self._split(k), self._split(v)):
             part.append(kh, vh)
 
+    def logits(self, q: mx.array) -> mx.array:
+        return self._join([p.logits(qh) for p, qh in zip(self.parts, self._split(q))])
+
+    def weighted(self, p: mx.array) -> mx.array:
+        parts = zip(self.parts, self._split(p))
+        return self._join([part.weighted(ph) for part, ph in parts])
+
     def dequantize(self, dtype):
         pairs = [part.dequantize(dtype) for part in self.parts]
-        if len(pairs) == 1:
-            return pairs[0]
-        keys = mx.concatenate([p[0] for p in pairs], axis=1)
-        values = mx.concatenate([p[1] for p in pairs], axis=1)
-        if self.inverse is None:  # heads already in order
-            return keys, values
-        return keys[:, self.inverse], values[:, self.inverse]
+        return self._join([k for k, _ in pairs]), self._join([v for _, v in pairs])
 
-    def take(self, idx) -> None:
-        for part, ih in zip(self.parts, self._split(idx)):
-            part.take(ih)
+    def take_groups(self, gid) -> None:
+        for part, g in zip(self.parts, self._split(gid)):
+            part.take_groups(g)
+
+    def rebuild(self, k, v, exact, gid) -> None:
+        split = zip(self.parts, *(self._split(x) for x in (k, v, exact, gid)))
+        for part, kh, vh, eh, gh in split:
+            part.rebuild(kh, vh, eh, gh)
+
+    def truncate(self, rows: int) -> None:
+        for part in self.parts:
+            part.truncate(rows)
 
     def clone(self) -> QuantizedStore:
         new = QuantizedStore(self.bits, self.group)
@@ -220,7 +274,7 @@ class QuantizedStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(part.nbytes for part in self.parts)
+        return sum(a.nbytes for a in self.arrays())
 
     def state(self) -> dict:
         st = {"q.bits": mx.array(self.bits, dtype=mx.int32)}

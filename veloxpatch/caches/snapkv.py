@@ -44,6 +44,9 @@ class SnapKVOptions(EvictionOptions):
     def recent_rows(self):
         return self.window + self.lookahead
 
+    def decode_extra_rows(self):
+        return self.window  # new rows held until the next recompression
+
     def __post_init__(self):
         check_int("budget", self.budget, 1)
         check_int("window", self.window, 1)

@@ -62,6 +62,10 @@ class RowStorage:
             return self.keys, self.values
         return self.keys[..., : self.rows, :], self.values[..., : self.rows, :]
 
+    def newest_keys(self, n: int) -> mx.array:
+        """Keys of the last `n` rows, dense (the rows the last call added)."""
+        return self._view()[0][:, :, self.rows - n : self.rows]
+
     def storage_arrays(self) -> dict:
         """The stored rows by name (what `state` holds besides extra_state)."""
         k, v = self._view()

@@ -56,15 +56,29 @@ def parse_arm(text: str) -> Arm:
     return Arm(name.strip(), parse_pairs(pairs))
 
 
-def expand(arm_texts, budgets=()) -> list[Arm]:
-    """Parse arms; arms that take a budget and name none get each of `budgets`."""
+def expand(arm_texts, budgets=(), memory=()) -> list[Arm]:
+    """Parse arms; arms that take a budget and name none get each of `budgets`,
+    or each of the sizes in `memory` as `max_kv_bytes` (ours and mlx.rotating;
+    the others, mlx.quantized included, run once, at their own size)."""
     from .sessions import takes_budget
 
+    if budgets and memory:
+        raise OptionError("give budgets or memory sizes, not both")
     arms = []
     for text in arm_texts:
         arm = parse_arm(text)
-        if budgets and takes_budget(arm.algo) and "budget" not in arm.options:
+        priced = "budget" in arm.options or "max_kv_bytes" in arm.options
+        if budgets and takes_budget(arm.algo) and not priced:
             arms += [Arm(arm.algo, {**arm.options, "budget": b}) for b in budgets]
+        elif memory and takes_bytes(arm.algo) and not priced:
+            arms += [Arm(arm.algo, {**arm.options, "max_kv_bytes": m}) for m in memory]
         else:
             arms.append(arm)
     return arms
+
+
+def takes_bytes(algo: str) -> bool:
+    """Whether `--memory` expands this arm: ours with a budget, mlx.rotating."""
+    from .sessions import is_peer, takes_budget
+
+    return algo == "mlx.rotating" or (not is_peer(algo) and takes_budget(algo))

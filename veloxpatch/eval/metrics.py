@@ -27,8 +27,10 @@ class Arm:
 
     @property
     def family(self) -> str:
-        """The label without the budget: arms that differ only in budget."""
-        rest = {k: v for k, v in self.options.items() if k != "budget"}
+        """The label without the budget: arms that differ only in budget (or in
+        max_kv_bytes)."""
+        drop = ("budget", "max_kv_bytes")
+        rest = {k: v for k, v in self.options.items() if k not in drop}
         return Arm(self.algo, rest).label
 
 

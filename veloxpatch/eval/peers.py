@@ -97,7 +97,7 @@ def _only(options: dict, allowed, what: str) -> None:
 
 _MLX_KINDS = {  # mlx-lm arms and their options
     "unpatched": (),
-    "rotating": ("budget", "sinks"),
+    "rotating": ("budget", "sinks", "max_kv_bytes"),
     "quantized": ("kv_bits", "group_size"),
 }
 
@@ -116,6 +116,13 @@ def _mlx_factory(kind: str, options: dict):
         # Built here, not via max_kv_size: mlx-lm ignores that for models that
         # define make_cache (llama, qwen, mistral do).
         budget, sinks = options.get("budget"), options.get("sinks", 4)
+        if options.get("max_kv_bytes") is not None:
+            from ..caches.kv_budget import parse_size
+
+            if budget is not None:
+                raise OptionError("rotating: give budget or max_kv_bytes, not both")
+            parse_size(options["max_kv_bytes"])
+            budget = 2**30  # validated here; mlx_caches prices it on the model
         check_int("budget", budget, 1)
         check_int("sinks", sinks, 0)
         if sinks >= budget:
@@ -136,12 +143,40 @@ def mlx_caches(model, kind: str, options: dict) -> list:
     sinks=4) on every full-attention layer (a sliding-window layer keeps the
     model's own RotatingKVCache), or "quantized", which starts as the model's
     own and is converted by `quantizer` after each prefill chunk."""
+    if options.get("max_kv_bytes") is not None:
+        options = rotating_options(model, options)
     make = _mlx_factory(kind, options)
     _unpatched(model)
     caches = mlc.make_prompt_cache(model)
     if make is None or kind == "quantized":
         return caches
     return [make() if type(c) is mlc.KVCache else c for c in caches]
+
+
+def rotating_options(model, options: dict) -> dict:
+    """`mlx.rotating` with `max_kv_bytes`: the rows (max_size) whose keys and
+    values, in every full-attention layer and KV head, fit in it (a rotating
+    cache holds no positions), rounded down."""
+    from model_adapters import adapter_for
+
+    from ..caches.kv_budget import kv_dtype_size, parse_size
+
+    dims = adapter_for(model).dims(model)
+    size = kv_dtype_size(model)
+    per_row = sum(
+        h * 2 * d * size
+        for h, d, sliding in zip(dims.kv_heads, dims.head_dims, dims.sliding)
+        if not sliding
+    )
+    limit = options["max_kv_bytes"]
+    budget = parse_size(limit) // per_row
+    rest = {k: v for k, v in options.items() if k != "max_kv_bytes"}
+    if budget <= rest.get("sinks", 4):
+        raise OptionError(
+            f"rotating: max_kv_bytes={limit!r} buys {budget} rows, not more than "
+            f"the sinks ({rest.get('sinks', 4)})"
+        )
+    return {**rest, "budget": budget}
 
 
 def quantizer(kind: str, options: dict):

@@ -29,6 +29,8 @@ def run_info() -> dict:
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
         "device": str(mx.default_device()),
         "blas": blas.active(),
+        # 1, 5 and 15 minute load averages as the run starts (shared machines)
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
 

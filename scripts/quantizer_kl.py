@@ -1,0 +1,124 @@
+"""Which grid for quantized rows: mlx's affine quantizer (`mx.quantize`) or the
+KIVI paper's min/max grid, both packed in mlx's layout and read by the same
+kernels (`veloxpatch/caches/quantized.py`, QUANTIZER).
+
+On SmolLM2, per prose segment: prefill `--context` tokens, then teacher-force
+`--continuation` tokens one per call; mean KL(full || arm) and greedy agreement
+of each arm with each grid, and the tok/s of that teacher-forced decode (one
+token per call, flushes included). Also times one flush (quantizing `group`
+rows of every KV head of a layer) with each grid: decoding runs the same
+kernels on both, flushes are where they differ.
+
+    .venv/bin/python scripts/quantizer_kl.py --context 2000 --continuation 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from veloxpatch import blas
+
+blas.preload()
+
+import mlx.core as mx  # noqa: E402
+
+import veloxpatch  # noqa: E402
+from veloxpatch.caches import quantized  # noqa: E402
+from veloxpatch.eval.arms import parse_arm, split_arms  # noqa: E402
+from veloxpatch.eval.metrics import Arm, agreement_and_kl, teacher_forced  # noqa: E402
+from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
+from veloxpatch.eval.sessions import arm_caches  # noqa: E402
+from veloxpatch.eval.text import prose_length, prose_tokens  # noqa: E402
+from veloxpatch.memory import kv_bytes  # noqa: E402
+
+GRIDS = ("mlx", "minmax")
+
+
+def flush_ms(grid: str, bits: int, group: int = 32, repeats: int = 200) -> float:
+    """Median ms to quantize one flush of keys (transposed) and values:
+    3 KV heads, `group` rows, head dim 64 (SmolLM2's layer)."""
+    quantized.QUANTIZER = grid
+    k = mx.random.normal((1, 3, group, 64))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(quantized.quantize(k.swapaxes(-1, -2), group, bits))
+        mx.eval(quantized.quantize(k, group, bits))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def timed_logprobs(model, arm, context, cont):
+    """(log-probabilities, KV bytes, decode tok/s) of one arm."""
+    with arm_caches(model, arm, context[:-1]) as (caches, _):
+        logits = model(mx.array([context[-1:]]), cache=caches)[0, -1]
+        t0 = time.perf_counter()
+        lp = teacher_forced(model, caches, logits, cont)
+        rate = len(cont) / (time.perf_counter() - t0)
+        return lp, kv_bytes(caches), rate
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--continuation", type=int, default=128)
+    ap.add_argument("--segments", type=int, default=1)
+    ap.add_argument("--arms", default="kivi:bits=2,kivi:bits=3,kivi:bits=4")
+    ap.add_argument("--out", default="scripts/results/quantizer_kl.json")
+    args = ap.parse_args()
+    info = run_info()
+    model, tokenizer = veloxpatch.load()
+    arms = [parse_arm(t) for t in split_arms(args.arms)]
+    span = args.context + args.continuation
+    total = prose_length(tokenizer)
+    stride = (total - span) // max(1, args.segments - 1) if args.segments > 1 else 0
+    rows = []
+    for seg in range(args.segments):
+        ids = prose_tokens(tokenizer, span, start=seg * stride)
+        context, cont = ids[: args.context], ids[args.context :]
+        ref, _, _ = timed_logprobs(model, Arm("full"), context, cont)
+        for arm in arms:
+            for grid in GRIDS:
+                quantized.QUANTIZER = grid
+                lp, kv, rate = timed_logprobs(model, arm, context, cont)
+                agree, kl = agreement_and_kl(lp, ref)
+                row = dict(segment=seg, arm=arm.label, grid=grid, kl=kl)
+                rows.append({**row, "agreement": agree, "kv_bytes": kv})
+                rows[-1]["decode_tok_per_s"] = rate
+                print(
+                    f"{seg} {arm.label:<24} {grid:<7} KL {kl:.5f} agree {agree:.3f} "
+                    f"{rate:.1f} tok/s",
+                    flush=True,
+                )
+    table = []
+    for arm in arms:
+        for grid in GRIDS:
+            mine = [r for r in rows if r["arm"] == arm.label and r["grid"] == grid]
+            bits = arm.options.get("bits", arm.options.get("kv_bits", 4))
+            table.append(
+                {
+                    "arm": arm.label,
+                    "grid": grid,
+                    "kl": statistics.mean(r["kl"] for r in mine),
+                    "agreement": statistics.mean(r["agreement"] for r in mine),
+                    "kv_bytes": mine[0]["kv_bytes"],
+                    "decode_tok_per_s": statistics.median(
+                        r["decode_tok_per_s"] for r in mine
+                    ),
+                    "flush_ms": flush_ms(grid, bits),
+                }
+            )
+    for t in table:
+        print(
+            f"{t['arm']:<24} {t['grid']:<7} KL {t['kl']:.5f} "
+            f"agree {t['agreement']:.3f} {t['decode_tok_per_s']:.1f} tok/s "
+            f"flush {t['flush_ms']:.3f} ms"
+        )
+    result = {"run": info, "config": vars(args), "table": table, "raw": rows}
+    write_results(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

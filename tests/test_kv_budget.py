@@ -1,0 +1,196 @@
+"""`max_kv_bytes`: budgets priced in bytes (caches/kv_budget.py)."""
+
+import mlx.core as mx
+import pytest
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.caches.kv_budget import parse_size
+from veloxpatch.errors import OptionError, UnsupportedCacheOperation
+
+# tiny llama, head dim 32, float32: 3 layers x 2 KV heads
+LAYERS_HEADS = 3 * 2
+DENSE_ROW = 2 * 32 * 4 + 4  # keys and values, and a position
+
+
+def budget_of(algo, **opts):
+    model = tiny_model("llama", head_dim=32)
+    with veloxpatch.patched(model, algo, **opts) as patch:
+        return patch.options.budget
+
+
+@pytest.mark.parametrize(
+    "text,n",
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("48MB", 48 * 10**6),
+        ("48 mb", 48 * 10**6),
+        ("1.5KiB", 1536),
+        ("2GiB", 2 * 2**30),
+        ("10kb", 10_000),
+        ("7B", 7),
+    ],
+)
+def test_sizes_parse(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize(
+    "bad", ["12XB", "MB", "-5MB", "", "1e3", 0, -1, "0MB", "0.4B", 1.5, True, None]
+)
+def test_bad_sizes_are_one_line_errors(bad):
+    with pytest.raises(OptionError) as e:
+        parse_size(bad)
+    assert "\n" not in str(e.value) and "max_kv_bytes" in str(e.value)
+
+
+@pytest.mark.parametrize("algo,extra", [("h2o", 0), ("tova", 0), ("snapkv", 4)])
+def test_dense_rows_convert_exactly(algo, extra):
+    opts = dict(window=4) if algo == "snapkv" else {}
+    per_row = DENSE_ROW * LAYERS_HEADS  # one row in every layer and KV head
+    for budget in (40, 41, 100):
+        held = per_row * (budget + extra)  # snapkv also holds its window
+        assert budget_of(algo, max_kv_bytes=held, **opts) == budget
+        assert budget_of(algo, max_kv_bytes=held - 1, **opts) == budget - 1
+        assert budget_of(algo, max_kv_bytes=f"{held}B", **opts) == budget
+
+
+def quantized_bound(budget):
+    """kv_bits=4, group 32, residual 8, head dim 32, float32 (kv_budget's rule)."""
+    slots = budget + max(32, budget // 4)  # rows and holes not yet compacted
+    full = min(slots, 8 + 31)  # the residual, full precision
+    quant = 2 * 32 * 4 // 8 + 4 * 32 * 4 // 32  # codes, scales and biases
+    return LAYERS_HEADS * (full * (2 * 32 * 4) + (slots - full) * quant + 8 * budget)
+
+
+def test_quantized_rows_convert_exactly():
+    assert quantized_bound(64) == 79392  # worked by hand: see the docstring
+    for budget in (40, 64, 200):
+        limit = quantized_bound(budget)
+        opts = dict(kv_bits=4, kv_residual=8)
+        assert budget_of("h2o", max_kv_bytes=limit, **opts) == budget
+        assert budget_of("h2o", max_kv_bytes=limit - 1, **opts) == budget - 1
+    # fewer bits buy more rows for the same bytes
+    opts = dict(max_kv_bytes=200_000, kv_residual=8)
+    rows = [budget_of("h2o", kv_bits=b, **opts) for b in (8, 4, 2)]
+    dense = budget_of("h2o", max_kv_bytes=200_000)
+    assert dense < rows[0] < rows[1] < rows[2]
+
+
+@pytest.mark.parametrize(
+    "algo,opts",
+    [
+        ("h2o", {}),
+        ("snapkv", dict(window=4)),
+        ("h2o", dict(kv_bits=4, kv_residual=8)),
+        ("snapkv", dict(window=4, kv_bits=2, kv_residual=8)),
+        ("tova", dict(kv_bits="adaptive", target_bits=3, kv_residual=8)),
+    ],
+)
+def test_bytes_held_stay_within_max_kv_bytes(algo, opts):
+    model = tiny_model("llama", head_dim=32)
+    limit = 100_000
+    with veloxpatch.patched(model, algo, max_kv_bytes=limit, **opts) as patch:
+        caches = patch.make_cache()
+        y = prompt_tokens(20)[None]
+        held = []
+        for _ in range(300):
+            logits = model(y, cache=caches)
+            y = mx.argmax(logits[:, -1:], axis=-1)
+            mx.eval(y)
+            held.append(sum(c.nbytes for c in caches))
+    assert max(held) <= limit
+    assert max(held) > 0.5 * limit  # the budget is not wasted either
+
+
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        (dict(max_kv_bytes="12XB"), "size like 48MB"),
+        (dict(max_kv_bytes=0), "at least 1 byte"),
+        (dict(max_kv_bytes="0MB"), "at least 1 byte"),
+        (dict(max_kv_bytes="100KB", budget=64), "budget or max_kv_bytes, not both"),
+        (dict(max_kv_bytes=2_000), "buys 0 rows"),
+        # 10 rows and the window of 16 it holds while decoding: 10 <= 16 protected
+        (dict(max_kv_bytes=DENSE_ROW * LAYERS_HEADS * 26, window=16), "protected"),
+    ],
+)
+def test_bad_budgets_are_clear_errors_that_change_nothing(opts, match):
+    model = tiny_model("llama", head_dim=32)
+    with pytest.raises(OptionError, match=match) as e:
+        veloxpatch.apply(model, "snapkv", **opts)
+    assert "\n" not in str(e.value)
+    assert veloxpatch.api.patch_of(model) is None
+
+
+def test_algorithms_without_a_budget_refuse_max_kv_bytes():
+    model = tiny_model("llama", head_dim=32)
+    with pytest.raises(OptionError, match="unknown option"):
+        veloxpatch.apply(model, "kivi", max_kv_bytes="1MB")
+
+
+def test_mlx_lm_max_kv_size_and_max_kv_bytes_together_are_refused():
+    model = tiny_model("llama", head_dim=32)
+    with veloxpatch.patched(model, "h2o", max_kv_bytes="1MB") as patch:
+        with pytest.raises(UnsupportedCacheOperation, match="both set"):
+            patch.make_cache(max_kv_size=64)
+
+
+def test_priced_options_save_as_their_budget(tmp_path):
+    model = tiny_model("llama", head_dim=32)
+    opts = dict(max_kv_bytes=100_000, kv_bits=4, kv_residual=8)
+    with veloxpatch.patched(model, "h2o", **opts) as patch:
+        caches = patch.make_cache()
+        model(prompt_tokens(30)[None], cache=caches)
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+    assert loaded[0].options.budget == patch.options.budget
+    assert loaded[0].options.max_kv_bytes is None
+
+
+def test_memory_sizes_expand_every_arm_with_a_budget():
+    from veloxpatch.eval.arms import expand
+
+    arms = expand(
+        ["snapkv:window=4", "h2o:kv_bits=4", "mlx.rotating", "mlx.quantized:kv_bits=4"]
+        + ["kivi", "full", "tova:budget=64"],
+        memory=["6MB", "12MB"],
+    )
+    assert [a.label for a in arms] == [
+        "snapkv:max_kv_bytes=6MB,window=4",
+        "snapkv:max_kv_bytes=12MB,window=4",
+        "h2o:kv_bits=4,max_kv_bytes=6MB",
+        "h2o:kv_bits=4,max_kv_bytes=12MB",
+        "mlx.rotating:max_kv_bytes=6MB",
+        "mlx.rotating:max_kv_bytes=12MB",
+        "mlx.quantized:kv_bits=4",  # at its own size
+        "kivi",
+        "full",
+        "tova:budget=64",  # names its budget
+    ]
+    assert arms[0].family == arms[1].family == "snapkv:window=4"
+    with pytest.raises(OptionError, match="not both"):
+        expand(["snapkv"], budgets=[64], memory=["6MB"])
+
+
+def test_arms_at_equal_bytes_hold_at_most_those_bytes():
+    # ours (dense and quantized) and mlx-lm's rotating cache, priced in bytes,
+    # through the evaluation's own continuation run
+    from veloxpatch.eval.arms import expand
+    from veloxpatch.eval.metrics import evaluate_continuation
+    from veloxpatch.eval.peers import mlx_caches
+
+    model = tiny_model("llama", head_dim=32)
+    limit = 100_000
+    rows = limit // (LAYERS_HEADS * 2 * 32 * 4)  # rotating: keys and values only
+    rotating = mlx_caches(model, "rotating", {"max_kv_bytes": limit})
+    assert {c.max_size for c in rotating} == {rows}
+    arms = expand(
+        ["h2o", "snapkv:window=4", "tova:kv_bits=4,kv_residual=8", "mlx.rotating"],
+        memory=[limit],
+    )
+    ids = prompt_tokens(200).tolist()
+    results = evaluate_continuation(model, arms, ids[:120], ids[120:], 32)
+    for r in results:
+        assert 0.3 * limit < r.kv_bytes <= limit, (r.arm, r.kv_bytes)

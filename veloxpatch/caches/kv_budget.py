@@ -1,0 +1,124 @@
+"""`max_kv_bytes`: a budget priced in bytes, for every algorithm with a budget.
+
+The budget (rows per layer and KV head) is the largest one whose bound on the
+bytes held during decode, over every layer veloxpatch caches and every KV head,
+is at most `max_kv_bytes` (rounded down). The bound counts what `nbytes`
+counts, per layer and KV head, with r = budget + the rows the algorithm holds
+beyond its budget while decoding (snapkv's window):
+
+- rows in the model's dtype: r x (2 D x dtype size + 4) (keys, values, position);
+- with `kv_bits`: r rows, plus up to max(group, r / 4) holes (evicted rows not
+  yet compacted, `kv_bits.HOLE_SHARE`), of which up to residual + group - 1
+  slots are the full-precision residual (2 D x dtype size each) and the rest
+  quantized (2 D bits / 8 of codes, and a scale and a bias in the model's dtype
+  per `group` values: 4 D x dtype size / group), plus 8 bytes per row (its
+  position and its slot). Adaptive widths count their mean, `target_bits`.
+
+Sliding-window layers keep mlx-lm's own caches and are not counted. Ada-KV
+pads every head to the layer's largest head: that padding depends on the
+scores and is not in the bound.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..errors import OptionError
+
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
+
+
+def parse_size(value) -> int:
+    """Bytes from an int or a string like "48MB", "1.5GiB", "4096" (KB, MB, GB
+    are powers of 1000; KiB, MiB, GiB of 1024). At least one byte."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise OptionError(
+            f"max_kv_bytes must be a size like 48MB, 512KiB or a number of "
+            f"bytes, got {value!r}"
+        )
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE.match(value.lower())
+        if m is None or m.group(2) not in UNITS:
+            raise OptionError(
+                f"max_kv_bytes must be a size like 48MB, 512KiB or a number of "
+                f"bytes (units B, KB, MB, GB, KiB, MiB, GiB), got {value!r}"
+            )
+        n = math.floor(float(m.group(1)) * UNITS[m.group(2)])
+    if n < 1:
+        raise OptionError(f"max_kv_bytes must be at least 1 byte, got {value!r}")
+    return n
+
+
+def kv_dtype_size(model) -> int:
+    """Bytes of one element of the keys the model's attention produces: the
+    dtype of the first floating parameter of a patched attention (a quantized
+    projection's scales)."""
+    from mlx.utils import tree_flatten
+
+    for layer in model.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            continue
+        for _, p in tree_flatten(attn.parameters()):
+            if "float" in str(p.dtype):
+                return p.dtype.size
+    return 4
+
+
+def slot_bytes(options, head_dim: int, dtype_size: int, quantized: bool) -> int:
+    """Bytes of one slot of one KV head: a dense row, or a quantized one."""
+    if not quantized:
+        return 2 * head_dim * dtype_size
+    bits = options.kv_bits
+    if bits == "adaptive":
+        bits = options.target_bits
+    return 2 * head_dim * bits / 8 + 4 * head_dim * dtype_size / options.kv_group
+
+
+def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:
+    """Upper bound on the bytes held while decoding at `budget` (module doc)."""
+    from .kv_bits import HOLE_SHARE
+
+    r = budget + options.decode_extra_rows()
+    total = 0.0
+    for kv_heads, d, sliding in zip(dims.kv_heads, dims.head_dims, dims.sliding):
+        if sliding:
+            continue
+        dense = slot_bytes(options, d, dtype_size, False)
+        if options.kv_bits is None:
+            per_head = r * (dense + 4)
+        else:
+            g = options.kv_group
+            slots = r + max(g, r // HOLE_SHARE)
+            full = min(slots, options.kv_residual + g - 1)
+            quant = slot_bytes(options, d, dtype_size, True)
+            per_head = full * dense + (slots - full) * quant + 8 * r
+        total += kv_heads * per_head
+    return total
+
+
+def budget_for_bytes(options, dims, dtype_size: int, limit: int) -> int:
+    """The largest budget whose bound is at most `limit` bytes (0: none)."""
+    lo, hi = 0, 1
+    while bound_bytes(options, dims, dtype_size, hi) <= limit:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if bound_bytes(options, dims, dtype_size, mid) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,87 @@
+"""Options of quantized storage (`kivi`, `kv_bits=`), and head-adaptive widths:
+`kv_bits="adaptive"` gives each KV head 2, 3 or 4 bits around a mean target,
+from the entropy of its real attention over the last prompt window."""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import OptionError
+from .options import check_choice, check_int
+
+BITS = (2, 3, 4, 8)
+GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
+ADAPTIVE_WIDTHS = (2, 3, 4)
+ENTROPY_WINDOW = 32  # last prompt queries whose attention sets adaptive widths
+
+
+def check_quant(bits, group, residual, target_bits, prefix: str = "") -> None:
+    """Validate quantization options (`prefix`: "kv_" on eviction algorithms,
+    where bits may be None: no quantization)."""
+    if bits is None and prefix:
+        pass
+    elif bits != "adaptive" and (isinstance(bits, bool) or bits not in BITS):
+        raise OptionError(
+            f"{prefix}bits must be one of {BITS} or 'adaptive', got {bits!r}"
+        )
+    check_choice(f"{prefix}group", group, GROUPS)
+    check_int(f"{prefix}residual", residual, 0)
+    if bits == "adaptive":
+        lo, hi = ADAPTIVE_WIDTHS[0], ADAPTIVE_WIDTHS[-1]
+        ok = isinstance(target_bits, (int, float)) and not isinstance(target_bits, bool)
+        if not ok or not lo <= target_bits <= hi:
+            raise OptionError(
+                f"target_bits must be a number in [{lo}, {hi}] with "
+                f"{prefix}bits='adaptive', got {target_bits!r}"
+            )
+    elif target_bits is not None:
+        raise OptionError(f"target_bits needs {prefix}bits='adaptive'")
+
+
+def check_group_divides(dims, group: int, prefix: str = "") -> None:
+    widths = set(dims.head_dims)
+    if any(d % group for d in widths):
+        raise OptionError(
+            f"{prefix}group ({group}) must divide the head dim {sorted(widths)}: "
+            "values are quantized per token in groups of channels"
+        )
+
+
+def layer_total(target: float, heads: int, layer: int) -> int:
+    """Bits of a layer's heads together: running rounding of target x heads over
+    the layers, so the model-wide mean is on target even when a layer's is not."""
+
+    def upto(n):
+        return math.floor(target * heads * n + 0.5)
+
+    return upto(layer + 1) - upto(layer)
+
+
+def allocate_bits(entropy: list[float], total: int) -> tuple[int, ...]:
+    """Widths from {2, 3, 4} summing to `total` (at most): each head weighs
+    exp(entropy) (how many rows its attention spreads over) and each extra bit
+    goes where it removes the most weighted error, w x 4^-bits. Heads with equal
+    weight and width are served together or not at all, so the result follows
+    the heads when they are permuted; bits such a tie cannot share are left out."""
+    lo, hi = ADAPTIVE_WIDTHS[0], ADAPTIVE_WIDTHS[-1]
+    weights = [float(f"{math.exp(e):.6g}") for e in entropy]
+    bits = [lo] * len(weights)
+    left = total - lo * len(weights)
+    frozen = set()
+    while left > 0:
+        gains = {
+            h: w * 4.0 ** -bits[h]
+            for h, w in enumerate(weights)
+            if bits[h] < hi and h not in frozen
+        }
+        if not gains:
+            break
+        best = max(gains.values())
+        tied = [h for h, g in gains.items() if g == best]
+        if len(tied) > left:
+            frozen.update(tied)
+            continue
+        for h in tied:
+            bits[h] += 1
+        left -= len(tied)
+    return tuple(bits)

@@ -1,0 +1,109 @@
+"""Attention over quantized rows without dequantizing them.
+
+A quantized cache holds its rows in slots: first the quantized store's, then
+the full-precision residual's. Eviction only forgets which slot a row was in
+(the slot becomes a hole, masked), so a row's slot is given by `slot` [B, H,
+rows] (None: row r is slot r). `QuantizedView` is what the cache hands to
+attention and to scoring in place of dense keys and values:
+
+- `attend(q, scale)`: softmax(q . K^T * scale) . V over every slot, q.K^T and
+  p.V on mlx's quantized kernels (`quantized.py`) for the store and dense
+  matmuls for the residual. GQA never repeats keys: the query heads that share
+  a KV head are stacked as rows, q [B, Hkv, rep * L, D]. Holes and padding rows
+  (position PAD) and future positions are masked. A call of DENSE_QUERIES
+  queries or more (a prefill chunk) instead dequantizes the slots once and runs
+  the fused kernel: materialising its L x slots scores would cost more time
+  and memory than one dense copy of the rows for the length of the call.
+- `logits(q)`: q . K^T for q [B, Hkv, M, D], per row (what scoring reads).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+DENSE_QUERIES = 32
+
+
+class QuantizedView:
+    def __init__(
+        self, store, keys, values, slot, rows, qstart=0, slot_pos=None, in_order=False
+    ):
+        self.store, self.keys, self.values = store, keys, values
+        self.slot, self.rows = slot, rows
+        self.qstart = qstart  # position of the call's first query
+        self.slot_pos = slot_pos  # [B, H, S]: None when nothing needs masking
+        self.in_order = in_order  # slots in position order, no holes or padding
+
+    @property
+    def shape(self) -> tuple:
+        B, H, _, D = self.keys.shape
+        return (B, H, self.rows, D)
+
+    @property
+    def dtype(self):
+        return self.keys.dtype
+
+    def slot_logits(self, q: mx.array) -> mx.array:
+        """q [B, H, M, D] . K^T over every slot -> [B, H, M, S]."""
+        parts = []
+        if self.store is not None and self.store.rows:
+            parts.append(self.store.logits(q))
+        if self.keys.shape[2]:
+            parts.append(q @ self.keys.swapaxes(-1, -2))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    def logits(self, q: mx.array) -> mx.array:
+        """q . K^T per row [B, H, M, rows] (rows in the cache's row order)."""
+        s = self.slot_logits(q)
+        if self.slot is None:
+            return s
+        return mx.take_along_axis(s, self.slot[:, :, None, :], axis=-1)
+
+    def weighted(self, p: mx.array) -> mx.array:
+        """p [B, H, M, S] (over slots) . V -> [B, H, M, D]."""
+        tq = 0 if self.store is None else self.store.rows
+        out = None
+        if tq:
+            out = self.store.weighted(p[..., :tq])
+        if self.values.shape[2]:
+            r = p[..., tq:] @ self.values
+            out = r if out is None else out + r
+        return out
+
+    def dense(self) -> tuple[mx.array, mx.array]:
+        """Keys and values of every slot [B, H, S, D], dequantized (a copy)."""
+        if self.store is None or not self.store.rows:
+            return self.keys, self.values
+        dk, dv = self.store.dequantize(self.keys.dtype)
+        keys = mx.concatenate([dk, self.keys], axis=2)
+        return keys, mx.concatenate([dv, self.values], axis=2)
+
+    def _attend_dense(self, q: mx.array, scale: float) -> mx.array:
+        keys, values = self.dense()
+        L, rep = q.shape[2], q.shape[1] // keys.shape[1]
+        mask = "causal"
+        if not self.in_order:
+            qpos = mx.arange(self.qstart, self.qstart + L, dtype=mx.int32)
+            mask = self.slot_pos[:, :, None, :] <= qpos[:, None]
+            mask = mx.repeat(mask, rep, axis=1) if rep > 1 else mask
+        return mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=scale, mask=mask
+        )
+
+    def attend(self, q: mx.array, scale: float) -> mx.array:
+        if q.shape[2] >= DENSE_QUERIES:
+            return self._attend_dense(q, scale)
+        B, Hq, L, D = q.shape
+        H = self.keys.shape[1]
+        rep = Hq // H
+        qg = (q * scale).reshape(B, H, rep * L, D)
+        s = self.slot_logits(qg)
+        if self.slot_pos is not None:
+            S = s.shape[-1]
+            qpos = mx.arange(self.qstart, self.qstart + L, dtype=mx.int32)
+            visible = self.slot_pos[:, :, None, None, :] <= qpos[:, None]
+            low = mx.finfo(s.dtype).min
+            s = mx.where(visible, s.reshape(B, H, rep, L, S), low)
+            s = s.reshape(B, H, rep * L, S)
+        p = mx.softmax(s, axis=-1, precise=True)
+        return self.weighted(p.astype(q.dtype)).reshape(B, Hq, L, D)
