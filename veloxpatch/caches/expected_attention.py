@@ -161,6 +161,8 @@ class ExpectedAttentionCache(EvictingCache):
     def scores(self, q=None) -> mx.array:
         """Expected attention per stored row [B, Hkv, T] (see the module doc)."""
         keys, values = self._view()
+        if hasattr(keys, "rows_dense"):  # quantized rows (qview.py)
+            keys, values = keys.rows_dense()
         keys = keys.astype(mx.float32)
         B, Hkv, T, D = keys.shape
         mu, cov = self.query_statistics()

@@ -78,6 +78,15 @@ class QuantizedView:
         keys = mx.concatenate([dk, self.keys], axis=2)
         return keys, mx.concatenate([dv, self.values], axis=2)
 
+    def rows_dense(self) -> tuple[mx.array, mx.array]:
+        """Keys and values per row [B, H, rows, D] in the cache's row order,
+        dequantized (a copy: for scorers that need the vectors themselves)."""
+        keys, values = self.dense()
+        if self.slot is None:
+            return keys[:, :, : self.rows], values[:, :, : self.rows]
+        idx = self.slot[..., None]
+        return mx.take_along_axis(keys, idx, 2), mx.take_along_axis(values, idx, 2)
+
     def _attend_dense(self, q: mx.array, scale: float) -> mx.array:
         keys, values = self.dense()
         L, rep = q.shape[2], q.shape[1] // keys.shape[1]
