@@ -9,6 +9,7 @@ __all__ = ["SECTIONS", "headline"]
 
 SECTIONS = [
     agnostic.passkey_agnostic,
+    agnostic.compress_cost,
     eval_runs.passkey_all,
     agnostic.passkey_aware_new,
     eval_runs.quantized_ppl,
