@@ -15,13 +15,18 @@ from typing import Any
 
 from ..errors import OptionError
 
+INT_LIMIT = 2**62  # within int64, with room for sums of two
+FLOAT_INT_LIMIT = 2**53  # integers a float64 (and mlx's arithmetic) holds exactly
+
 
 def check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
     """An integer (not a bool) in [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise OptionError(f"{name} must be an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        hi = "" if maximum is None else f" and <= {maximum}"
+    if maximum is None:
+        maximum = INT_LIMIT  # mlx computes in int64: larger ones crash it
+    if value < minimum or value > maximum:
+        hi = f" and <= {maximum}" if maximum != INT_LIMIT or value > maximum else ""
         raise OptionError(f"{name} must be >= {minimum}{hi}, got {value}")
 
 
@@ -33,7 +38,8 @@ def check_number(
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise OptionError(f"{name} must be a number, got {value!r}")
     if (
-        not math.isfinite(value)
+        (isinstance(value, int) and abs(value) > FLOAT_INT_LIMIT)  # not a float
+        or not math.isfinite(value)
         or value < lo
         or value > hi
         or (lo_open and value == lo)
