@@ -26,7 +26,7 @@ from veloxpatch.caches import kv_bits  # noqa: E402
 from veloxpatch.eval.arms import parse_arm, split_arms  # noqa: E402
 from veloxpatch.eval.metrics import Arm, agreement_and_kl  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-from veloxpatch.eval.text import prose_length, prose_tokens  # noqa: E402
+from veloxpatch.eval.text import prose_segments  # noqa: E402
 
 # holes allowed before compaction: max(group, rows // share)
 COMPACTION = {"never": 1e-12, "lazy": kv_bits.HOLE_SHARE, "eager": 10**9}
@@ -50,13 +50,11 @@ def main():
     model, tokenizer = veloxpatch.load()
     arms = [parse_arm(t) for t in split_arms(args.arms)]
     modes = args.compaction.split(",")
-    span = args.context + args.continuation
-    total = prose_length(tokenizer)
-    stride = (total - span) // max(1, args.segments - 1) if args.segments > 1 else 0
+    stretches = prose_segments(
+        tokenizer, args.context, args.continuation, args.segments
+    )
     rows = []
-    for seg in range(args.segments):
-        ids = prose_tokens(tokenizer, span, start=seg * stride)
-        context, cont = ids[: args.context], ids[args.context :]
+    for seg, (context, cont) in enumerate(stretches):
         ref, _, _ = timed_logprobs(model, Arm("full"), context, cont)
         for arm in arms:
             quant = Arm(arm.algo, {**arm.options, "kv_bits": args.kv_bits})

@@ -86,6 +86,18 @@ def prose_tokens(tokenizer, n: int, split: str = "evaluation", start: int = 0):
     return ids[start : start + n]
 
 
+def prose_segments(
+    tokenizer, context: int, continuation: int, n: int, split="evaluation"
+):
+    """`n` (context ids, continuation ids) stretches spread evenly over the text."""
+    span = context + continuation
+    total = prose_length(tokenizer, split)
+    stride = (total - span) // max(1, n - 1) if n > 1 else 0
+    for seg in range(n):
+        ids = prose_tokens(tokenizer, span, split, start=seg * stride)
+        yield ids[:context], ids[context:]
+
+
 def prose_length(tokenizer, split: str = "evaluation") -> int:
     return len(_encoded(tokenizer, split))
 

@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..metrics import evaluate_continuation
-from ..text import check_length, prose_length, prose_tokens
+from ..text import check_length, prose_length, prose_segments
 from .base import EvalTask, check_text, require
 
 
@@ -47,19 +47,13 @@ class ContinuationTask(EvalTask):
         """Raw rows and per-arm means of perplexity, agreement and KL against
         full, over `segments` stretches of prose spread over the text."""
         self.check_fits(tokenizer)
-        total = prose_length(tokenizer, self.text)
-        span = self.context + self.continuation
-        segments = self.segments
-        stride = (total - span) // max(1, segments - 1) if segments > 1 else 0
+        stretches = prose_segments(
+            tokenizer, self.context, self.continuation, self.segments, self.text
+        )
         rows = []
-        for seg in range(segments):
-            ids = prose_tokens(tokenizer, span, self.text, start=seg * stride)
+        for seg, (context, cont) in enumerate(stretches):
             for res in evaluate_continuation(
-                model,
-                arms,
-                ids[: self.context],
-                ids[self.context :],
-                self.prefill_step_size,
+                model, arms, context, cont, self.prefill_step_size
             ):
                 rows.append({"segment": seg, **res.as_dict()})
             tick()
