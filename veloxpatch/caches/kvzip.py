@@ -102,28 +102,53 @@ class KVzipCache(EvictingCache):
 
     # ---- scoring ------------------------------------------------------------------
     def attention(self, q, keys, values, mask, scale):
+        if self.repeat is not None and not hasattr(keys, "attend"):
+            return self._attend_repeat(q, keys, values, scale)
         out = super().attention(q, keys, values, mask, scale)
-        if self.repeat is not None:
+        if self.repeat is not None:  # quantized rows: the kernel, then scores
             self._score_repeat(q, keys, scale)
         elif self.in_prompt and self.score_prompt and self.context_rows is None:
             _, probs = query_probs(q, keys, self.positions_view(), self.offset, scale)
             self._raise_scores(probs.max(axis=(2, 3)), 0)
         return out
 
-    def _score_repeat(self, q, keys, scale):
-        """Repeat queries over the sinks, their context chunk and the repeat
-        rows before them (KVzip's softmax), max into the chunk's scores."""
+    def _subset(self, T: int, L: int) -> list[tuple[int, int]]:
+        """Row ranges of KVzip's softmax for a repeat of L rows after T - L:
+        the sinks, the context chunk being repeated, the repeat rows."""
         start, end = self.repeat
-        L, T = q.shape[2], keys.shape[2]
         sink = min(self.options.sinks, start)
-        pick = list(range(sink)) + list(range(start, end)) + list(range(T - L, T))
-        idx = mx.array(pick, dtype=mx.int32)
+        return [(0, sink), (start, end), (T - L, T)]
+
+    def _attend_repeat(self, q, keys, values, scale):
+        """One softmax gives both the repeat's attention output and its scores:
+        a pair's probability under KVzip's softmax (over `_subset`) is its
+        probability over every row divided by the subset's share."""
+        B, Hq, L, D = q.shape
+        Hkv, T = keys.shape[1], keys.shape[2]
+        _, probs = query_probs(q, keys, self.positions_view(), self.offset, scale)
+        flat = probs.reshape(B, Hkv, -1, T)
+        out = (flat @ values.astype(mx.float32)).reshape(B, Hq, L, -1)
+        (_, sink), (start, end), _ = ranges = self._subset(T, L)
+        chunk = probs[..., start:end]
+        if sink != start or end != T - L:  # the subset is not every row
+            share = sum(probs[..., a:b].sum(-1, keepdims=True) for a, b in ranges)
+            chunk = chunk / share
+        self._raise_scores(chunk.max(axis=(2, 3)), start)
+        return out.astype(q.dtype)
+
+    def _score_repeat(self, q, keys, scale):
+        """KVzip's softmax over `_subset` alone (rows the kernel read in place)."""
+        L, T = q.shape[2], keys.shape[2]
+        ranges = self._subset(T, L)
+        idx = mx.concatenate([mx.arange(a, b, dtype=mx.int32) for a, b in ranges])
         sub = keys[:, :, idx]
+        n_ctx = idx.shape[0] - L
         pos = mx.concatenate(
-            [mx.zeros((sink + end - start,), mx.int32), mx.arange(L, dtype=mx.int32)]
+            [mx.zeros((n_ctx,), mx.int32), mx.arange(L, dtype=mx.int32)]
         )
         pos = mx.broadcast_to(pos, (*sub.shape[:2], pos.shape[0]))
         _, probs = query_probs(q, sub, pos, 0, scale)  # causal among repeat rows
+        (_, sink), (start, end), _ = ranges
         chunk = probs[..., sink : sink + end - start].max(axis=(2, 3))
         self._raise_scores(chunk, start)
 
