@@ -2,13 +2,15 @@
 
 import pytest
 from conftest import smollm
+from test_kvzip import TOK
 from tiny import prompt_tokens, tiny_model
 
 from veloxpatch.errors import OptionError
+from veloxpatch.eval import text
 from veloxpatch.eval.arms import expand, parse_arm, split_arms
 from veloxpatch.eval.metrics import Arm, evaluate_continuation
 from veloxpatch.eval.passkey import make_case, make_cases, wilson
-from veloxpatch.eval.text import prose
+from veloxpatch.eval.text import LICENSE_SPLITS, LICENSES, prose
 
 
 def test_prose_halves_do_not_overlap():
@@ -17,6 +19,37 @@ def test_prose_halves_do_not_overlap():
     cal_paras = set(p for p in cal.split("\n") if len(p) > 80)
     ev_paras = set(p for p in ev.split("\n") if len(p) > 80)
     assert not cal_paras & ev_paras
+
+
+@pytest.mark.skipif(
+    not all(
+        (LICENSES / n).is_file() for names in LICENSE_SPLITS.values() for n in names
+    ),
+    reason="Debian's licence texts are not on this machine",
+)
+def test_licence_halves_do_not_overlap():
+    cal, ev = prose("licenses-calibration"), prose("licenses-evaluation")
+    assert len(cal) > 50_000 and len(ev) > 50_000
+    cal_paras = set(p for p in cal.split("\n") if len(p) > 80)
+    assert not cal_paras & set(p for p in ev.split("\n") if len(p) > 80)
+
+
+def test_missing_licence_texts_are_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(text, "LICENSES", tmp_path)
+    with pytest.raises(OptionError, match="lacks GPL-3"):
+        text.check_source("licenses-evaluation")
+
+
+def test_agnostic_continuation_compresses_before_any_continuation_token():
+    # kvzip reconstructs the context (not its own prompt queries), and its
+    # kept set, so its result, differs from the aware protocol's
+    model = tiny_model("llama")
+    ids = prompt_tokens(120).tolist()
+    arms = [Arm("full"), Arm("kvzip", {"budget": 24, "sinks": 2})]
+    aware = evaluate_continuation(model, arms, ids[:90], ids[90:], 32)
+    agnostic = evaluate_continuation(model, arms, ids[:90], ids[90:], 32, TOK)
+    assert agnostic[0].perplexity == aware[0].perplexity  # full: one protocol
+    assert agnostic[1].kl != aware[1].kl and agnostic[1].kv_bytes < aware[0].kv_bytes
 
 
 def test_broken_arm_scores_worse_than_full():

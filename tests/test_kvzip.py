@@ -193,3 +193,19 @@ def test_compress_together_uses_every_layer():
         compress_together(caches)
     rows = [c.rows * 2 for c in caches]
     assert sum(rows) <= 8 * 2 * 3 and rows[0] > rows[1] and rows[0] > rows[2]
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_compressed_layers_hold_no_spare_rows(kv_bits):
+    # a layer keeping every context row had grown room for the repeat rows
+    model = tiny_model("llama", num_hidden_layers=2, head_dim=32)
+    ids = prompt_tokens(50).tolist()
+    quant = {} if kv_bits is None else {"kv_bits": kv_bits, "kv_residual": 4}
+    with veloxpatch.patched(model, "kvzip", budget=64, sinks=2, **quant) as patch:
+        caches = patch.prefill(ids, tokenizer=TOK)
+        for c in caches:
+            assert c.offset == 50 and c.context_rows == 50
+            if kv_bits is None:
+                assert c.keys.shape[2] == c.values.shape[2] == c.rows
+        text = greedy(model, prompt_tokens(5, seed=4), n=3, prompt_cache=caches)[0]
+    assert len(text) == 3

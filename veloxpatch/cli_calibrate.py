@@ -39,7 +39,7 @@ SUFFIX = ".safetensors"  # mx.save_safetensors appends it to a name without it
     type=TextSource(),
     default="calibration",
     show_default=True,
-    help="prose: the built-in calibration half, or a UTF-8 file",
+    help="prose: calibration (pydoc), licenses-calibration, or a UTF-8 file",
 )
 @click.option("--seed", type=Count(0), default=0, show_default=True)
 @click.option(

@@ -170,7 +170,7 @@ class NonEmpty(_Type):
 
 
 class TextSource(_Type):
-    """A built-in prose half (`calibration`, `evaluation`) or a readable UTF-8
+    """A built-in prose (`calibration`, `evaluation`, `licenses-*`) or a UTF-8
     text file (eval.text.check_source, which every reader of prose uses)."""
 
     name = "text"

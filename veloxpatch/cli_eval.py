@@ -130,7 +130,7 @@ common = [
         "--text",
         type=TextSource(),
         default="evaluation",
-        help="prose: the built-in evaluation half, or a UTF-8 file",
+        help="prose: evaluation (pydoc), licenses-evaluation, or a UTF-8 file",
     ),
     click.option("--out", type=OutputFile(), required=True, help="results JSON"),
     click.option("--force", is_flag=True, help="overwrite --out (and --plot)"),
@@ -161,7 +161,8 @@ def _with(options):
     type=click.Choice(["aware", "agnostic"]),
     default="aware",
     show_default=True,
-    help="passkey: question in the compressed prompt, or asked after compression",
+    help="question (passkey) or continuation (ppl) inside the compressed "
+    "prompt, or sent after the context was compressed on its own",
 )
 @click.option(
     "--memory",

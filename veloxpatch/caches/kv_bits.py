@@ -142,6 +142,9 @@ class QuantizedKV:
         else:  # the evicted rows' slots become holes
             self.slot = mx.take_along_axis(self._slot_map(), idx, axis=-1)
 
+    def fit_buffer(self):
+        pass  # slots grow exactly: there is no spare capacity
+
     def truncate_rows(self, n):
         if self.positions is not None:  # held exactly, not in a grown buffer
             self.positions = self.positions[..., :n]

@@ -138,6 +138,8 @@ class KVzipCache(EvictingCache):
 
     def _score_repeat(self, q, keys, scale):
         """KVzip's softmax over `_subset` alone (rows the kernel read in place)."""
+        if hasattr(keys, "rows_dense"):  # quantized rows: a dense copy to gather
+            keys = keys.rows_dense()[0]
         L, T = q.shape[2], keys.shape[2]
         ranges = self._subset(T, L)
         idx = mx.concatenate([mx.arange(a, b, dtype=mx.int32) for a, b in ranges])
@@ -182,6 +184,7 @@ class KVzipCache(EvictingCache):
     def keep_counted(self, scores: mx.array, n_keep: int) -> None:
         """Keep each head's best `n_keep` rows (from the model-wide choice)."""
         self.evict_to(n_keep, scores)
+        self.fit_buffer()  # a layer keeping all still had room for the repeat
         self.context_rows, self.context_end = self.rows, self.offset
         self.compressed_ends = self.phase.ends
         self.zscore = None

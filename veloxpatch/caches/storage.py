@@ -97,6 +97,16 @@ class RowStorage:
         n_rep = n_q_heads // pos.shape[1]
         return mx.repeat(mask, n_rep, axis=1) if n_rep > 1 else mask
 
+    def fit_buffer(self) -> None:
+        """Free the capacity past `rows` (a gather copies the rows in use)."""
+        if self.keys is None or self.keys.shape[2] == self.rows:
+            return
+        used = mx.arange(self.rows)
+        self.keys = mx.take(self.keys, used, axis=2)
+        self.values = mx.take(self.values, used, axis=2)
+        if self.positions is not None:
+            self.positions = mx.take(self.positions, used, axis=2)
+
     def truncate_rows(self, n: int) -> None:
         """Keep the first `n` stored rows of every head (the buffer stays)."""
         self.rows = n

@@ -47,17 +47,29 @@ def teacher_forced(model, caches, logits, continuation) -> mx.array:
 
 
 def arm_logprobs(
-    model, arm: Arm, context, continuation, prefill_step_size=2048, prefills=None
+    model,
+    arm: Arm,
+    context,
+    continuation,
+    prefill_step_size=2048,
+    prefills=None,
+    agnostic=None,
 ):
     """(log-probabilities, KV bytes held at the end) of one arm. `prefills` (a
-    sessions.Prefills of context[:-1]) shares the prefill between arms."""
+    sessions.Prefills of context[:-1]) shares the prefill between arms.
+    `agnostic` (tokenizer, kvzip scores by options): context[:-1] is compressed
+    as `Patch.prefill` does, before the last context token is fed."""
     from ..memory import kv_bytes
+    from .agnostic import compress
     from .sessions import arm_caches
 
     with arm_caches(model, arm, context[:-1], prefills, prefill_step_size) as (
         caches,
         _,
     ):
+        if agnostic is not None:
+            tokenizer, scores = agnostic
+            compress(model, tokenizer, arm, caches, context[:-1], scores)
         logits = model(mx.array([context[-1:]]), cache=caches)[0, -1]
         lp = teacher_forced(model, caches, logits, continuation)
         kv = kv_bytes(caches)
@@ -94,13 +106,18 @@ class ContinuationResult:
         return asdict(self)
 
 
-def evaluate_continuation(model, arms, context, continuation, prefill_step_size=2048):
+def evaluate_continuation(
+    model, arms, context, continuation, prefill_step_size=2048, tokenizer=None
+):
     """Perplexity, agreement and KL against `full` of every arm on one
     context/continuation. A context within one prefill chunk is prefilled once
-    per kind of arm and shared (exact, see sessions.Prefills)."""
+    per kind of arm and shared (exact, see sessions.Prefills). With `tokenizer`
+    the question-agnostic protocol: the context is compressed before any
+    continuation token (kvzip by its reconstruction pass)."""
     from .sessions import Prefills
 
     prefills = Prefills(model, context[:-1], arms, prefill_step_size)
+    agnostic = None if tokenizer is None else (tokenizer, {})
     reference, reference_kv = arm_logprobs(
         model, Arm("full"), context, continuation, prefill_step_size, prefills
     )
@@ -110,7 +127,7 @@ def evaluate_continuation(model, arms, context, continuation, prefill_step_size=
             lp, kv = reference, reference_kv  # the reference is this arm
         else:
             lp, kv = arm_logprobs(
-                model, arm, context, continuation, prefill_step_size, prefills
+                model, arm, context, continuation, prefill_step_size, prefills, agnostic
             )
         agree, kl = agreement_and_kl(lp, reference)
         results.append(

@@ -4,6 +4,12 @@ with the standard library (`pydoc_data.topics`, ~465k characters).
 Topics are split by sorted name into a calibration half and an evaluation half
 that share no paragraph: calibration (Q-Filters, A2ATS) reads only the first, every
 quality measurement only the second.
+
+A second kind of English, so no result rests on one: the licence texts Debian
+ships in every install (`/usr/share/common-licenses`, base-files), legal prose,
+split by file into `licenses-calibration` and `licenses-evaluation` with no
+licence family in both (GPL-3 is in one, LGPL-2.1 in the other; GFDL-1.2,
+a near copy of 1.3, in neither).
 """
 
 from __future__ import annotations
@@ -13,15 +19,21 @@ from pathlib import Path
 
 from ..errors import OptionError
 
-SPLITS = ("calibration", "evaluation")
+LICENSES = Path("/usr/share/common-licenses")
+LICENSE_SPLITS = {
+    "licenses-calibration": ("LGPL-2.1", "GFDL-1.3", "MPL-1.1", "Artistic"),
+    "licenses-evaluation": ("GPL-3", "Apache-2.0", "MPL-2.0", "CC0-1.0"),
+}
+SPLITS = ("calibration", "evaluation", *LICENSE_SPLITS)
 
 
 def check_source(split: str) -> None:
     """A built-in half's name, or a readable UTF-8 text file; OptionError says
     what is wrong (the CLI checks `--text` with this before any model loads)."""
-    if split in SPLITS:
-        return
-    _read(split)
+    if split in LICENSE_SPLITS:
+        _licenses(split)
+    elif split not in SPLITS:
+        _read(split)
 
 
 def _read(split: str) -> str:
@@ -48,10 +60,35 @@ def _read(split: str) -> str:
 def prose(split: str = "evaluation") -> str:
     """A half of the built-in prose, or (any other value) a UTF-8 text file's
     content."""
+    if split in LICENSE_SPLITS:
+        return _licenses(split)
     if split not in SPLITS:
         return _read(split)
     calibration, evaluation = _halves()
     return calibration if split == "calibration" else evaluation
+
+
+def _licenses(split: str) -> str:
+    paragraphs = _licence_paragraphs(split)
+    if split == "licenses-calibration":  # GFDL-1.3 took paragraphs from GPL-3
+        used = set(_licence_paragraphs("licenses-evaluation"))
+        paragraphs = [p for p in paragraphs if p not in used]
+    return "\n".join(paragraphs)
+
+
+def _licence_paragraphs(split: str) -> list[str]:
+    missing = [n for n in LICENSE_SPLITS[split] if not (LICENSES / n).is_file()]
+    if missing:
+        raise OptionError(
+            f"--text {split} reads {LICENSES} (Debian's base-files), which lacks "
+            f"{', '.join(missing)} on this machine; use evaluation or a text file"
+        )
+    # one paragraph per line, as the pydoc halves: the files are hard-wrapped
+    out = []
+    for name in LICENSE_SPLITS[split]:
+        text = (LICENSES / name).read_text(encoding="utf-8")
+        out += [" ".join(p.split()) for p in text.split("\n\n") if p.strip()]
+    return out
 
 
 def _halves() -> tuple[str, str]:

@@ -60,3 +60,12 @@ def check_text(text: str) -> None:
     from ..text import check_source
 
     check_source(text)
+
+
+def check_protocol(protocol: str) -> None:
+    """aware: the question (or continuation) sits in the compressed prompt;
+    agnostic: the context is compressed before any of it exists."""
+    require(
+        protocol in ("aware", "agnostic"),
+        f"--protocol must be aware or agnostic, got {protocol!r}",
+    )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..metrics import evaluate_continuation
 from ..text import check_length, prose_length, prose_segments
-from .base import EvalTask, check_text, require
+from .base import EvalTask, check_protocol, check_text, require
 
 
 @dataclass
@@ -23,8 +23,10 @@ class ContinuationTask(EvalTask):
     segments: int = 2
     text: str = "evaluation"
     prefill_step_size: int = 2048
+    protocol: str = "aware"  # "agnostic": the context compressed on its own
 
     def __post_init__(self):
+        check_protocol(self.protocol)
         require(self.context >= 2, f"--context must be at least 2, got {self.context}")
         require(
             self.continuation >= 1,
@@ -52,10 +54,13 @@ class ContinuationTask(EvalTask):
         )
         rows = []
         for seg, (context, cont) in enumerate(stretches):
+            agnostic = tokenizer if self.protocol == "agnostic" else None
             for res in evaluate_continuation(
-                model, arms, context, cont, self.prefill_step_size
+                model, arms, context, cont, self.prefill_step_size, agnostic
             ):
-                rows.append({"segment": seg, **res.as_dict()})
+                rows.append(
+                    {"segment": seg, "protocol": self.protocol, **res.as_dict()}
+                )
             tick()
         return {"table": _table(rows, arms), "raw": rows}
 

@@ -8,7 +8,7 @@ from ..agnostic import run_agnostic_case
 from ..passkey import make_cases
 from ..runner import run_case, summarize
 from ..text import check_length, prose_length
-from .base import EvalTask, check_text, require
+from .base import EvalTask, check_protocol, check_text, require
 
 # make_case spends about this many tokens on the instructions, needle and question
 TEMPLATE_TOKENS = 80
@@ -28,10 +28,7 @@ class PasskeyTask(EvalTask):
     protocol: str = "aware"  # or "agnostic": compressed before any question
 
     def __post_init__(self):
-        require(
-            self.protocol in ("aware", "agnostic"),
-            f"--protocol must be aware or agnostic, got {self.protocol!r}",
-        )
+        check_protocol(self.protocol)
         require(
             self.context > TEMPLATE_TOKENS,
             f"passkey needs --context above {TEMPLATE_TOKENS} tokens, "
