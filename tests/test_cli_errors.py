@@ -156,6 +156,14 @@ BEFORE_LOAD = [
         "exists.json exists (--out); pass --force",
     ),
     ("bench --arms mlx.quantized:kv_bits=7 --out r.json", "kv_bits"),
+    ("serve --algo nope", "unknown algorithm 'nope'"),
+    ("serve --algo snapkv --budget 8 --algo-arg budget=4", "budget given twice"),
+    ("serve --algo snapkv --budget 0", "budget must be >= 1, got 0"),
+    ("serve --max-kv-bytes 3XB", "max_kv_bytes must be a size"),
+    ("serve --kv-bits 4", "--kv-bits: mlx-lm's --kv-bits swaps in"),
+    ("serve --draft-model m", "speculative decoding is not supported"),
+    ("serve --port notaport", "argument --port: invalid int value: 'notaport'"),
+    ("serve --no-such-flag 3", "unrecognized arguments: --no-such-flag 3"),
 ]
 
 

@@ -189,7 +189,7 @@ def adapter_check(cls):
     sys.exit(check.main([cls]))
 
 
-from . import cli_calibrate, cli_compress, cli_eval  # noqa: E402, F401
+from . import cli_calibrate, cli_compress, cli_eval, cli_serve  # noqa: E402, F401
 
 if __name__ == "__main__":
     # `python -m` runs this file as __main__, a second copy of the module: the

@@ -1,0 +1,154 @@
+"""`veloxpatch serve`: mlx-lm's server on a patched model (veloxpatch.serve).
+
+Our options are click's; every other option is one of mlx-lm's server flags and
+goes to mlx-lm's own argument parser (taken from `mlx_lm.server.main`, so the
+flags and defaults are exactly mlx-lm's). Everything is checked before the
+model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import click
+
+from .cli import _user_errors, main
+from .cli_checks import NonEmpty, UserError
+
+# mlx-lm server flags that would bypass or break the patch: refused up front
+REFUSED = {
+    "--kv-bits": "mlx-lm's --kv-bits swaps in its own quantized cache; use "
+    "--algo kivi or --algo-arg kv_bits=4",
+    "--draft-model": "speculative decoding is not supported by veloxpatch serve",
+    "--adapter-path": "adapters are not supported by veloxpatch serve",
+    "--pipeline": "distributed serving is not supported by veloxpatch serve",
+}
+# ours, refused, or meaningless without a refused one
+HIDDEN = {
+    "help",
+    "model",
+    "adapter_path",
+    "draft_model",
+    "num_draft_tokens",
+    "kv_bits",
+    "kv_group_size",
+    "quantized_kv_start",
+    "pipeline",
+}
+
+
+class _Captured(Exception):
+    pass
+
+
+def mlx_server_parser() -> argparse.ArgumentParser:
+    """mlx-lm's server parser: `main()` builds it and parses at once, so stop
+    it at `parse_args` (mlx-lm is pinned; a test checks flags we rely on)."""
+    from mlx_lm import server
+
+    def capture(parser, *args, **kwargs):
+        raise _Captured(parser)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+        try:
+            server.main()
+        except _Captured as e:
+            parser = e.args[0]
+    parser.prog = "veloxpatch serve"
+
+    def error(message):
+        raise UserError(f"{message} (see 'veloxpatch serve --help')")
+
+    parser.error = error  # one line, exit 2, like every other option
+    return parser
+
+
+def mlx_flags_help(parser) -> str:
+    fmt = parser._get_formatter()
+    fmt.start_section("mlx-lm server options (passed to mlx_lm.server)")
+    fmt.add_arguments([a for a in parser._actions if a.dest not in HIDDEN])
+    fmt.end_section()
+    refused = ", ".join(REFUSED)
+    return (
+        fmt.format_help() + f"\nNot supported here: {refused} (kv bits: use "
+        "--algo kivi or --algo-arg kv_bits=4).\n"
+    )
+
+
+def parse_mlx_flags(extra: list[str]) -> argparse.Namespace:
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name in REFUSED:
+            raise UserError(f"{name}: {REFUSED[name]}")
+        if name in ("--model", "-h"):
+            raise UserError(f"{name} is given once, before the mlx-lm flags")
+    return mlx_server_parser().parse_args(extra)
+
+
+class ServeCommand(click.Command):
+    def format_help(self, ctx, formatter):
+        super().format_help(ctx, formatter)
+        formatter.write("\n" + mlx_flags_help(mlx_server_parser()))
+
+
+@main.command(
+    cls=ServeCommand,
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@click.option(
+    "--model", type=NonEmpty(), default=None, help="default: the embedded SmolLM2"
+)
+@click.option("--algo", default="full", show_default=True)
+@click.option("--budget", type=int, default=None, help="KV rows kept per head")
+@click.option(
+    "--algo-arg",
+    "algo_args",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="algorithm option, repeatable (per-sequence byte budget: max_kv_bytes=48MB)",
+)
+@click.option(
+    "--max-kv-bytes",
+    default=None,
+    metavar="SIZE",
+    help="cap on the KV bytes of all requests in flight plus the prompt cache, "
+    "e.g. 2GB (over it: prompt-cache entries are evicted, then requests get 503)",
+)
+@click.option(
+    "--quantized/--dequantized",
+    default=None,
+    help="keep quantized weights (default: dequantize on the CPU)",
+)
+@click.pass_context
+@_user_errors
+def serve(ctx, model, algo, budget, algo_args, max_kv_bytes, quantized):
+    """Serve a patched model with mlx-lm's OpenAI-compatible server.
+
+    Every request is served by the one model given (patched with ALGO); a
+    request naming another model gets HTTP 404. Caches that cannot batch are
+    served one request at a time (the log says why).
+    """
+    import logging
+
+    from .api import make_options
+    from .caches.kv_budget import parse_size
+    from .eval.arms import parse_pairs
+
+    options = parse_pairs(algo_args)
+    if budget is not None:
+        if "budget" in options:
+            raise UserError("budget given twice: --budget and --algo-arg budget=")
+        options["budget"] = budget
+    make_options(algo, options)  # fail before the slow load
+    cap = parse_size(max_kv_bytes) if max_kv_bytes is not None else None
+    cli_args = parse_mlx_flags(list(ctx.args))
+    cli_args.model = model
+
+    logging.basicConfig(
+        level=getattr(logging, cli_args.log_level.upper()),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
+    from .serve.server import run
+
+    run(cli_args, model, algo, options, max_kv_bytes=cap, quantized=quantized)

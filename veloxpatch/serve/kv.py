@@ -1,0 +1,151 @@
+"""`veloxpatch serve --max-kv-bytes`: the KV bytes the server holds, bounded.
+
+The bound covers every request in flight (queued or generating) plus mlx-lm's
+prompt cache. A request reserves an upper bound on the KV bytes it can hold
+before it is queued (its prompt is tokenized for that), and gives it back when
+its response ends:
+- a cache with a budget (eviction): its decode bound (`kv_budget.bound_bytes`),
+  or the whole prompt at full precision if more, since the SnapKV family holds
+  the prompt until it ends and the others hold at most budget + a prefill chunk;
+- any other cache (full, kivi, ...): prompt + max_tokens rows at full precision.
+Rows are rounded up to the 256-row growth step, and positions (4 bytes a row)
+are counted. It is a bound, not a measurement: the per-request log line says
+what the caches really held, next to what mlx-lm's own cache would have held.
+
+When a request does not fit, prompt-cache entries are evicted (mlx-lm's LRU
+order) first; if it still does not fit it is refused: 503 while others hold the
+room (try again later), 413 when it could never fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from mlx_lm.models.cache import LRUPromptCache
+
+from ..memory import full_kv_bytes, full_rows, kv_bytes
+
+log = logging.getLogger("veloxpatch.serve")
+
+
+class Refused(Exception):
+    """A request the server will not take; `status` is its HTTP code."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class KVEstimate:
+    """Upper bound on one request's KV bytes (module doc), from the patch."""
+
+    def __init__(self, patch):
+        from model_adapters import adapter_for
+
+        from ..caches.kv_budget import bound_bytes, kv_dtype_size
+
+        model, options = patch.model, patch.options
+        dims = adapter_for(model).dims(model)
+        dtype = kv_dtype_size(model)
+        layers = list(zip(dims.kv_heads, dims.head_dims, dims.sliding))
+        # sliding-window layers keep mlx-lm's cache: counted whole, as a bound
+        self.sliding_row = sum(h * 2 * d * dtype for h, d, s in layers if s)
+        self.patched_row = sum(h * (2 * d * dtype + 4) for h, d, s in layers if not s)
+        self.full_row = sum(h * 2 * d * dtype for h, d, _ in layers)
+        budget = getattr(options, "budget", None)
+        self.decode_bound = (
+            None if budget is None else bound_bytes(options, dims, dtype, budget)
+        )
+
+    def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        rows = full_rows(prompt_tokens + max_tokens)
+        held = self.sliding_row * rows
+        if self.decode_bound is None:
+            return held + self.patched_row * rows
+        prompt = self.patched_row * full_rows(prompt_tokens)
+        return held + int(max(self.decode_bound, prompt))
+
+    def full_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        """What mlx-lm's own KVCache would hold for the same request."""
+        return self.full_row * full_rows(prompt_tokens + max_tokens)
+
+
+class KVLedger:
+    """Reservations of the requests in flight, and the cap (None: no cap)."""
+
+    def __init__(self, cap: int | None, prompt_cache: BoundedPromptCache):
+        self.cap = cap
+        self.prompt_cache = prompt_cache
+        self.reserved = 0
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        prompt_cache.ledger = self
+
+    def admit(self, need: int) -> int:
+        """Reserve `need` bytes (evicting prompt-cache entries if that makes
+        room) or raise Refused."""
+        with self._lock:
+            if self.cap is not None:
+                if need > self.cap:
+                    raise Refused(
+                        413,
+                        f"this request may hold up to {need:,} bytes of KV cache, "
+                        f"more than the server's --max-kv-bytes {self.cap:,}; "
+                        "send a shorter prompt or a lower max_tokens",
+                    )
+                if self.reserved + need > self.cap:
+                    raise Refused(
+                        503,
+                        f"KV cache full: {self.in_flight} requests in flight hold "
+                        f"up to {self.reserved:,} of --max-kv-bytes {self.cap:,} "
+                        f"bytes and this one may need {need:,}; retry later",
+                    )
+                room = self.cap - self.reserved - need
+                if self.prompt_cache.nbytes > room:
+                    self.prompt_cache.trim_to(n_bytes=room)
+            self.reserved += need
+            self.in_flight += 1
+            return need
+
+    def release(self, need: int) -> None:
+        with self._lock:
+            self.reserved -= need
+            self.in_flight -= 1
+
+    def prompt_cache_room(self) -> int | None:
+        return None if self.cap is None else self.cap - self.reserved
+
+
+class BoundedPromptCache(LRUPromptCache):
+    """mlx-lm's prompt cache, shared between the generation thread and request
+    threads (hence the lock), trimmed to what the cap leaves it, and logging
+    what each finished request's caches held."""
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
+        super().__init__(max_size, max_bytes)
+        self._lock = threading.RLock()
+        self.ledger: KVLedger | None = None
+
+    def fetch_nearest_cache(self, model, tokens):
+        with self._lock:
+            return super().fetch_nearest_cache(model, tokens)
+
+    def trim_to(self, *, n_sequences=None, n_bytes=None):
+        with self._lock:
+            super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        if cache_type == "assistant":  # a request's end (the others: segments)
+            log.info(
+                "request done: %d tokens, KV held %s bytes (a full cache would "
+                "hold %s)",
+                len(tokens),
+                f"{kv_bytes(prompt_cache):,}",
+                f"{full_kv_bytes(prompt_cache):,}",
+            )
+        with self._lock:
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+            room = self.ledger.prompt_cache_room() if self.ledger else None
+            if room is not None and self.nbytes > room:
+                self.trim_to(n_bytes=room)

@@ -1,0 +1,220 @@
+"""mlx-lm's server on one patched model (see the package doc).
+
+- `PatchedModelProvider` loads the one model, patches it, and says whether its
+  caches can batch; mlx-lm's provider would load any model a request names,
+  unpatched, so every other name is refused here.
+- `Handler` (mlx-lm's APIHandler) refuses other models, adapters and draft
+  models, and reserves each request's KV bytes before queueing it (`kv`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+from mlx_lm.server import (
+    APIHandler,
+    ModelProvider,
+    ResponseGenerator,
+    _run_http_server,
+)
+
+from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused
+
+log = logging.getLogger("veloxpatch.serve")
+
+
+def batch_support(caches) -> tuple[bool, str]:
+    """(can mlx-lm's BatchGenerator take these caches, why not). veloxpatch
+    caches say so with `batchable`; mlx-lm's own (sliding-window layers) have
+    `merge` when they batch, which is what mlx-lm's server checks."""
+    from ..caches import VeloxCache
+
+    for c in caches:
+        if c is None:
+            continue
+        if isinstance(c, VeloxCache):
+            if not getattr(type(c), "batchable", False):
+                why = getattr(type(c), "batch_refusal", "")
+                return False, f"{type(c).__name__} cannot batch" + (
+                    f": {why}" if why else " (no batch support yet)"
+                )
+        elif not hasattr(c, "merge"):
+            return False, f"mlx-lm's {type(c).__name__} cannot batch"
+    return True, ""
+
+
+class PatchedModelProvider(ModelProvider):
+    """Loads the one model this server serves and patches it."""
+
+    def __init__(self, cli_args, model, algo, options, quantized=None):
+        super().__init__(cli_args)
+        self.source = model  # None: the embedded SmolLM2
+        self.algo, self.options, self.quantized = algo, dict(options), quantized
+        self.patch = None
+        self.batch_note = ""
+
+    def names(self) -> set[str]:
+        """The model names a request may give: mlx-lm's default, the path as
+        given, its absolute form, and its file or folder name."""
+        from ..models import embedded_model_path
+
+        path = Path(self.source) if self.source else embedded_model_path()
+        names = {"default_model", str(path), path.name, path.stem}
+        if path.exists():
+            names.add(str(path.resolve()))
+        if self.source:
+            names.add(os.fspath(self.source))
+        return names
+
+    def served_name(self) -> str:
+        from ..models import embedded_model_path
+
+        return str(self.source) if self.source else embedded_model_path().stem
+
+    def load_default(self):
+        self.load("default_model")
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        if model_path not in self.names():
+            raise Refused(404, unknown_model(model_path, self))
+        if adapter_path is not None or draft_model_path not in (None, "default_model"):
+            raise Refused(400, "adapters and draft models are not supported")
+        if self.model is None:
+            self._load_patched()
+        return self.model, self.tokenizer
+
+    def _load_patched(self):
+        from ..api import apply
+        from ..models import load
+
+        model, tokenizer = load(self.source, quantized=self.quantized)
+        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        self.patch = apply(model, self.algo, **self.options)
+        ok, why = batch_support(self.patch.make_cache())
+        self.model_key = (self.served_name(), None, None)
+        self.model, self.tokenizer = model, tokenizer
+        self.processor, self.draft_model = None, None
+        self.is_batchable = ok
+        self.batch_note = why
+        if not ok:
+            log.warning("serving requests one at a time: %s", why)
+        else:
+            log.info("%s caches batch: requests are served together", self.algo)
+
+
+def unknown_model(name, provider) -> str:
+    return (
+        f"model {name!r} is not served here: this server serves "
+        f"{provider.served_name()!r} patched with {provider.algo} (omit 'model' "
+        "or name that one); start another veloxpatch serve for other models"
+    )
+
+
+class Handler(APIHandler):
+    """mlx-lm's request handler, with `state` (a ServeState) set on a subclass."""
+
+    state = None
+
+    def _send_error(self, status: int, message: str) -> None:
+        self._set_completion_headers(status)
+        if status == 503:
+            self.send_header("Retry-After", "1")
+        self.end_headers()
+        self.wfile.write(json.dumps({"error": message}).encode())
+
+    def handle_completion(self, request, stop_words):
+        state = self.state
+        provider = state.provider
+        try:
+            provider.load(
+                self.requested_model, self.adapter, self.requested_draft_model
+            )
+            prompt_tokens = self._prompt_tokens(request)
+            need = state.estimate.request_bytes(prompt_tokens, self.max_tokens)
+            state.ledger.admit(need)
+        except Refused as e:
+            log.warning("refused (%d): %s", e.status, e)
+            self._send_error(e.status, str(e))
+            return
+        except Exception as e:  # a prompt the template cannot take, say
+            self._send_error(400, f"cannot read the request: {e}")
+            return
+        log.info(
+            "request: %d prompt tokens, max_tokens %d: reserves %s KV bytes "
+            "(a full cache: %s); %d in flight hold %s, prompt cache %s, cap %s",
+            prompt_tokens,
+            self.max_tokens,
+            f"{need:,}",
+            f"{state.estimate.full_bytes(prompt_tokens, self.max_tokens):,}",
+            state.ledger.in_flight,
+            f"{state.ledger.reserved:,}",
+            f"{state.prompt_cache.nbytes:,}",
+            "none" if state.ledger.cap is None else f"{state.ledger.cap:,}",
+        )
+        try:
+            super().handle_completion(request, stop_words)
+        finally:
+            state.ledger.release(need)
+
+    def _prompt_tokens(self, request) -> int:
+        """The prompt's length, tokenized as the generation thread will (on a
+        copy: mlx-lm rewrites message contents in place)."""
+        args = SimpleNamespace(chat_template_kwargs=self.chat_template_kwargs)
+        with self.state.tokenizer_lock:
+            prompt = self.state.generator._tokenize(
+                self.state.provider.tokenizer, copy.deepcopy(request), args
+            )[0]
+        return len(prompt)
+
+    def handle_models_request(self):
+        # mlx-lm lists every model in the Hugging Face cache; only one is served
+        self._set_completion_headers(200)
+        self.end_headers()
+        entry = {
+            "id": self.state.provider.served_name(),
+            "object": "model",
+            "created": self.created,
+        }
+        self.wfile.write(json.dumps({"object": "list", "data": [entry]}).encode())
+        self.wfile.flush()
+
+
+class ServeState(SimpleNamespace):
+    """What every request thread shares: provider, generator, estimate, ledger."""
+
+
+def run(cli_args, model, algo, options, *, max_kv_bytes=None, quantized=None):
+    """Load and patch the model (errors stop here, before serving), then serve
+    until interrupted."""
+    provider = PatchedModelProvider(cli_args, model, algo, options, quantized)
+    provider.load_default()
+    cap_bytes = cli_args.prompt_cache_bytes
+    prompt_cache = BoundedPromptCache(
+        cli_args.prompt_cache_size, cap_bytes if cap_bytes is not None else 1 << 63
+    )
+    state = ServeState(
+        provider=provider,
+        prompt_cache=prompt_cache,
+        estimate=KVEstimate(provider.patch),
+        ledger=KVLedger(max_kv_bytes, prompt_cache),
+        tokenizer_lock=threading.Lock(),
+    )
+    state.generator = ResponseGenerator(provider, prompt_cache)
+    log.info(
+        "serving %s patched with %s %s; KV cap %s",
+        provider.served_name(),
+        algo,
+        provider.patch.options,
+        "none" if max_kv_bytes is None else f"{max_kv_bytes:,} bytes",
+    )
+    handler = type("Handler", (Handler,), {"state": state})
+    _run_http_server(
+        cli_args.host, cli_args.port, state.generator, handler_class=handler
+    )
