@@ -2,13 +2,14 @@
 forks, save/load, and what the compressing pass saw."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import greedy, max_abs
 from tiny import VOCAB, prompt_tokens, tiny_model
 
 import veloxpatch
-from veloxpatch.caches.kvzip import compress_together
+from veloxpatch.caches.kvzip_choice import compress_together
 from veloxpatch.context import copy_cache, repeat_inputs
 from veloxpatch.errors import OptionError
 
@@ -25,16 +26,37 @@ class ByteTokenizer:
 TOK = ByteTokenizer()
 
 
-def reference_scores(model, ids, rng, repeat, sinks):
+class Recorder(nn.Module):
+    """A layer's q_proj that keeps its inputs (the attention's x)."""
+
+    def __init__(self, inner, seen):
+        super().__init__()
+        self.inner, self.seen = inner, seen
+
+    def __call__(self, x):
+        self.seen.append(np.array(x[0]))
+        return self.inner(x)
+
+
+def reference_scores(model, ids, rng, repeat, sinks, plus=False):
     """numpy: each layer's KVzip score of the context rows in `rng` from one
-    repeat chunk, from the probe's q/k (dense full model)."""
+    repeat chunk, from the probe's q/k (dense full model); KVzip+ with `plus`."""
     seen = {}
-    with veloxpatch.patched(model, "full") as patch:
-        caches = patch.make_cache(
-            probe=lambda s: seen.setdefault(s.layer, []).append(s)
-        )
-        model(mx.array(ids)[None], cache=caches)
-        model(mx.array(repeat)[None], cache=caches)
+    inputs = [[] for _ in model.layers]
+    attns = [layer.self_attn for layer in model.layers]
+    projs = [a.q_proj for a in attns]
+    for a, x in zip(attns, inputs):
+        a.q_proj = Recorder(a.q_proj, x)
+    try:
+        with veloxpatch.patched(model, "full") as patch:
+            caches = patch.make_cache(
+                probe=lambda s: seen.setdefault(s.layer, []).append(s)
+            )
+            model(mx.array(ids)[None], cache=caches)
+            model(mx.array(repeat)[None], cache=caches)
+    finally:
+        for a, q in zip(attns, projs):
+            a.q_proj = q
     out = []
     start, end = rng
     for layer in sorted(seen):
@@ -46,6 +68,9 @@ def reference_scores(model, ids, rng, repeat, sinks):
         T = len(ids)
         cols = list(range(min(sinks, start))) + list(range(start, end))
         cols += list(range(T, T + L))
+        x_norm = np.linalg.norm(inputs[layer][1], axis=-1)  # the repeat's x
+        w_o = np.array(attns[layer].o_proj.weight)  # [hidden, Hq * D]
+        v = np.array(ctx.v[0])[:, start:end]  # [Hkv, C, D]
         scores = np.zeros((hkv, end - start))
         for h in range(q.shape[0]):
             kh = k[h // g][cols]
@@ -56,19 +81,25 @@ def reference_scores(model, ids, rng, repeat, sinks):
             p = np.exp(logits - logits.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             sub = p[:, len(cols) - L - (end - start) : len(cols) - L]
+            if plus:
+                d = q.shape[2]
+                wv = np.linalg.norm(v[h // g] @ w_o[:, h * d : (h + 1) * d].T, axis=-1)
+                sub = sub / x_norm[:, None] * wv[None, :]
             scores[h // g] = np.maximum(scores[h // g], sub.max(0))
         out.append(scores)
     return out
 
 
+@pytest.mark.parametrize("plus", [False, True], ids=["kvzip", "kvzip+"])
 @pytest.mark.parametrize("chunk", [0, 1], ids=["one-chunk", "second-chunk"])
-def test_repeat_scores_match_a_numpy_reference(chunk):
+def test_repeat_scores_match_a_numpy_reference(chunk, plus):
     # the second chunk's softmax covers only the sinks, its chunk and the repeat
     model = tiny_model("llama")
     ids = prompt_tokens(40).tolist()
     rng, repeat = repeat_inputs(ids, TOK, chunk=[64, 16][chunk], start=0)[chunk]
-    ref = reference_scores(model, ids, rng, repeat, sinks=2)
-    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2) as patch:
+    ref = reference_scores(model, ids, rng, repeat, sinks=2, plus=plus)
+    opts = dict(budget=12, sinks=2, plus=plus)
+    with veloxpatch.patched(model, "kvzip", **opts) as patch:
         caches = patch.make_cache()
         for c in caches:
             c.score_prompt = False
@@ -78,7 +109,8 @@ def test_repeat_scores_match_a_numpy_reference(chunk):
         model(mx.array(repeat)[None], cache=caches)
         got = [np.array(c.zscore[0]) for c in caches]
     for g, r in zip(got, ref):
-        assert np.allclose(g[:, rng[0] :], r, atol=1e-5) and not g[:, : rng[0]].any()
+        assert np.allclose(g[:, rng[0] :], r, rtol=1e-4, atol=1e-6)
+        assert not g[:, : rng[0]].any()
 
 
 def test_reconstruction_chunks_overlap_by_eight_tokens():

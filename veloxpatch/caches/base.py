@@ -64,6 +64,7 @@ class VeloxCache(RowStorage, _BaseCache):
     summary: ClassVar[str] = ""  # one line for `veloxpatch list`
     note: ClassVar[str] = ""  # a trade-off worth knowing, printed under it
     Options: ClassVar[type[CacheOptions]] = CacheOptions
+    wants_layer_input: ClassVar[bool] = False  # handed (x, o_proj) before attend
 
     def __init__(
         self, options: CacheOptions | None = None, layer: int = 0, num_layers: int = 1

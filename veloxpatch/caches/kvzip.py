@@ -29,15 +29,14 @@ compressed context) is kept whole, and generated tokens slide through the newest
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import mlx.core as mx
-import numpy as np
 
 from ..errors import OptionError
 from .attention_probs import query_probs
 from .base import PAD_POSITION
 from .eviction import EvictingCache, EvictionOptions
+from .kvzip_choice import compress_together
 from .options import check_int, check_number
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
@@ -51,12 +50,15 @@ class KVzipOptions(EvictionOptions):
     fraction of the budget every head keeps at least. `window`: newest rows kept
     on top of the compressed context while decoding. `chunk`: tokens of context
     per reconstruction chunk. `layerwise`: one threshold per layer instead of
-    one for the model."""
+    one for the model. `plus`: KVzip+ (Jegou et al. 2026, KVzap), each
+    probability times ||W_o v|| of its query head over ||x|| of the repeat
+    query's attention input: what the pair adds to the residual stream."""
 
     floor: float = 0.1
     window: int = 32
     chunk: int = 2048
     layerwise: bool = False
+    plus: bool = False
 
     def __post_init__(self):
         check_number("floor", self.floor, 0, 1)
@@ -67,8 +69,11 @@ class KVzipOptions(EvictionOptions):
                 "kvzip allocates rows over the whole model itself; "
                 "head_budget is not one of its options"
             )
-        if not isinstance(self.layerwise, bool):
-            raise ValueError(f"layerwise must be true or false, got {self.layerwise!r}")
+        for name in ("layerwise", "plus"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{name} must be true or false, got {getattr(self, name)!r}"
+                )
         super().__post_init__()
 
     def bind(self, model, dims):
@@ -99,6 +104,12 @@ class KVzipCache(EvictingCache):
         self.context_rows = None  # rows kept by the compression, per head max
         self.context_end = None  # positions below it are the compressed context
         self.compressed_ends = -1  # the prompt end the compression served
+        self.layer_input = None  # (x, o_proj) of the call, for KVzip+
+        self.wo_gram = None  # [Hq, D, D] W_o^T W_o per query head, for KVzip+
+
+    @property
+    def wants_layer_input(self) -> bool:
+        return self.options.plus and self.repeat is not None
 
     # ---- scoring ------------------------------------------------------------------
     def attention(self, q, keys, values, mask, scale):
@@ -106,7 +117,7 @@ class KVzipCache(EvictingCache):
             return self._attend_repeat(q, keys, values, scale)
         out = super().attention(q, keys, values, mask, scale)
         if self.repeat is not None:  # quantized rows: the kernel, then scores
-            self._score_repeat(q, keys, scale)
+            self._score_repeat(q, keys, values, scale)
         elif self.in_prompt and self.score_prompt and self.context_rows is None:
             _, probs = query_probs(q, keys, self.positions_view(), self.offset, scale)
             self._raise_scores(probs.max(axis=(2, 3)), 0)
@@ -133,13 +144,13 @@ class KVzipCache(EvictingCache):
         if sink != start or end != T - L:  # the subset is not every row
             share = sum(probs[..., a:b].sum(-1, keepdims=True) for a, b in ranges)
             chunk = chunk / share
-        self._raise_scores(chunk.max(axis=(2, 3)), start)
+        self._raise_scores(self._weigh(chunk, values[:, :, start:end]), start)
         return out.astype(q.dtype)
 
-    def _score_repeat(self, q, keys, scale):
+    def _score_repeat(self, q, keys, values, scale):
         """KVzip's softmax over `_subset` alone (rows the kernel read in place)."""
         if hasattr(keys, "rows_dense"):  # quantized rows: a dense copy to gather
-            keys = keys.rows_dense()[0]
+            keys, values = keys.rows_dense()
         L, T = q.shape[2], keys.shape[2]
         ranges = self._subset(T, L)
         idx = mx.concatenate([mx.arange(a, b, dtype=mx.int32) for a, b in ranges])
@@ -151,8 +162,28 @@ class KVzipCache(EvictingCache):
         pos = mx.broadcast_to(pos, (*sub.shape[:2], pos.shape[0]))
         _, probs = query_probs(q, sub, pos, 0, scale)  # causal among repeat rows
         (_, sink), (start, end), _ = ranges
-        chunk = probs[..., sink : sink + end - start].max(axis=(2, 3))
-        self._raise_scores(chunk, start)
+        chunk = probs[..., sink : sink + end - start]
+        self._raise_scores(self._weigh(chunk, values[:, :, start:end]), start)
+
+    def _weigh(self, probs, values):
+        """[B, Hkv, C] scores of C context rows from their probabilities
+        [B, Hkv, G, L, C] under the repeat queries: the maximum over the queries
+        and the GQA group, KVzip+'s weights first with `plus`."""
+        if not self.options.plus:
+            return probs.max(axis=(2, 3))
+        x, o_proj = self.layer_input
+        self.layer_input = None
+        B, Hkv, G = probs.shape[:3]
+        x_norm = mx.linalg.norm(x.astype(mx.float32), axis=-1)  # [B, L]
+        best = (probs / x_norm[:, None, None, :, None]).max(axis=3)  # [B, Hkv, G, C]
+        if self.wo_gram is None:
+            w = _dense_weight(o_proj).astype(mx.float32)  # [hidden, Hq * D]
+            w = w.reshape(w.shape[0], Hkv * G, -1)
+            self.wo_gram = mx.einsum("nhd,nhe->hde", w, w)
+        gram = self.wo_gram.reshape(Hkv, G, *self.wo_gram.shape[1:])
+        v = values.astype(mx.float32)[:, :, None]  # [B, Hkv, 1, C, D]
+        wv = mx.sqrt(mx.maximum(((v @ gram) * v).sum(-1), 0))  # ||W_o^h v||
+        return (best * wv).max(axis=2)
 
     def _raise_scores(self, new: mx.array, start: int) -> None:
         B, H, n = new.shape
@@ -236,53 +267,14 @@ class KVzipCache(EvictingCache):
         self.compressed_ends = int(m.get("compressed_ends", -1))
 
 
-def compress_together(caches: list[KVzipCache]) -> None:
-    """One threshold over every (layer, KV head, position) of `caches` (or one
-    per layer with `layerwise`), sinks and each head's best `floor` x budget rows
-    kept first. Heads are stored padded to their layer's largest, so a head
-    below it fills the padding with its next best rows: each layer keeps the
-    rows its largest head needs, in every head, and the budget counts rows held:
-    the lowest threshold whose layers hold at most budget x layers x KV heads."""
-    o = caches[0].options
-    scores = []
-    for c in caches:
-        s = c.shards.all_heads(c.zscore[..., : c.rows])  # [B, H, T] every head
-        pos = c.shards.all_heads(c.positions_view())
-        s = mx.where(pos < o.sinks, mx.inf, s)
-        floor = min(s.shape[-1], math.ceil(o.floor * o.budget))
-        if floor:
-            kth = mx.sort(s, axis=-1)[..., -floor][..., None]
-            s = mx.where(s >= kth, mx.inf, s)  # each head's best `floor`
-        scores.append(s)
-    groups = [[i] for i in range(len(caches))] if o.layerwise else [range(len(caches))]
-    for group in groups:
-        part = [scores[i] for i in group]
-        rows = layer_rows(part, o.budget * sum(s.shape[1] for s in part))
-        for i, n in zip(group, rows):
-            caches[i].keep_counted(caches[i].shards.my_heads(scores[i]), n)
-
-
-def layer_rows(scores: list, total: int) -> list[int]:
-    """Rows per layer (the same in each head) for the lowest threshold t whose
-    cost, sum over layers of heads x the largest head's count of scores >= t,
-    stays within `total` (batch item 0 decides: B is 1 or equal rows)."""
-    per = [np.array(s[0].astype(mx.float32)) for s in scores]  # [H, T] each
-    ranked = [-np.sort(-p, axis=-1) for p in per]  # best first, per head
-
-    def rows_at(t):
-        return [int((r >= t).sum(-1).max()) for r in ranked]
-
-    def cost(t):
-        return sum(n * r.shape[0] for n, r in zip(rows_at(t), ranked))
-
-    cands = np.unique(np.concatenate([r.reshape(-1) for r in ranked]))[::-1]
-    lo, hi = 0, len(cands) - 1  # the largest index still within total
-    if cost(cands[0]) > total:
-        hi = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if cost(cands[mid]) <= total:
-            lo = mid
-        else:
-            hi = mid - 1
-    return [max(1, n) for n in rows_at(cands[lo])]
+def _dense_weight(linear) -> mx.array:
+    """The weight of an mlx Linear, dequantized if it is a QuantizedLinear."""
+    if hasattr(linear, "scales"):
+        return mx.dequantize(
+            linear.weight,
+            linear.scales,
+            linear.get("biases"),
+            linear.group_size,
+            linear.bits,
+        )
+    return linear.weight

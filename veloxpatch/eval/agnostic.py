@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..caches.kvzip import KVzipCache, compress_together
+from ..caches.kvzip import KVzipCache
+from ..caches.kvzip_choice import compress_together
 from ..context import copy_cache, reconstruct
 from ..memory import kv_bytes
 from .passkey import AgnosticCase

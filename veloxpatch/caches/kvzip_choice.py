@@ -1,0 +1,63 @@
+"""kvzip's choice of rows: one threshold over every (layer, KV head, position)
+of the model (or one per layer), each head's best `floor` x budget kept first,
+the budget counting rows held (heads are stored padded to their layer's largest).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+
+def compress_together(caches: list) -> None:
+    """One threshold over every (layer, KV head, position) of kvzip `caches` (or one
+    per layer with `layerwise`), sinks and each head's best `floor` x budget rows
+    kept first. Heads are stored padded to their layer's largest, so a head
+    below it fills the padding with its next best rows: each layer keeps the
+    rows its largest head needs, in every head, and the budget counts rows held:
+    the lowest threshold whose layers hold at most budget x layers x KV heads."""
+    o = caches[0].options
+    scores = []
+    for c in caches:
+        s = c.shards.all_heads(c.zscore[..., : c.rows])  # [B, H, T] every head
+        pos = c.shards.all_heads(c.positions_view())
+        s = mx.where(pos < o.sinks, mx.inf, s)
+        floor = min(s.shape[-1], math.ceil(o.floor * o.budget))
+        if floor:
+            kth = mx.sort(s, axis=-1)[..., -floor][..., None]
+            s = mx.where(s >= kth, mx.inf, s)  # each head's best `floor`
+        scores.append(s)
+    groups = [[i] for i in range(len(caches))] if o.layerwise else [range(len(caches))]
+    for group in groups:
+        part = [scores[i] for i in group]
+        rows = layer_rows(part, o.budget * sum(s.shape[1] for s in part))
+        for i, n in zip(group, rows):
+            caches[i].keep_counted(caches[i].shards.my_heads(scores[i]), n)
+
+
+def layer_rows(scores: list, total: int) -> list[int]:
+    """Rows per layer (the same in each head) for the lowest threshold t whose
+    cost, sum over layers of heads x the largest head's count of scores >= t,
+    stays within `total` (batch item 0 decides: B is 1 or equal rows)."""
+    per = [np.array(s[0].astype(mx.float32)) for s in scores]  # [H, T] each
+    ranked = [-np.sort(-p, axis=-1) for p in per]  # best first, per head
+
+    def rows_at(t):
+        return [int((r >= t).sum(-1).max()) for r in ranked]
+
+    def cost(t):
+        return sum(n * r.shape[0] for n, r in zip(rows_at(t), ranked))
+
+    cands = np.unique(np.concatenate([r.reshape(-1) for r in ranked]))[::-1]
+    lo, hi = 0, len(cands) - 1  # the largest index still within total
+    if cost(cands[0]) > total:
+        hi = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(cands[mid]) <= total:
+            lo = mid
+        else:
+            hi = mid - 1
+    return [max(1, n) for n in rows_at(cands[lo])]
