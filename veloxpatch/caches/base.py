@@ -64,6 +64,11 @@ class VeloxCache(RowStorage, _BaseCache):
     summary: ClassVar[str] = ""  # one line for `veloxpatch list`
     note: ClassVar[str] = ""  # a trade-off worth knowing, printed under it
     Options: ClassVar[type[CacheOptions]] = CacheOptions
+    # mlx-lm batch generation (caches/batch.py): whether `merge` builds a batch
+    # cache, and if not, why (one line the server can log).
+    batchable: ClassVar[bool] = False
+    batch_refusal: ClassVar[str] = "its batch contract is not implemented"
+    batch_layout: ClassVar[str] = "sequence"  # or "full": mlx-lm's BatchKVCache
 
     def __init__(
         self, options: CacheOptions | None = None, layer: int = 0, num_layers: int = 1
@@ -176,6 +181,14 @@ class VeloxCache(RowStorage, _BaseCache):
         new.phase = self.phase.copy()
         return new
 
+    # Kept by reference in a deep copy: read-only, or shared on purpose.
+    _shared_attrs: ClassVar[tuple] = ("options", "shards", "probe", "book")
+
+    def __deepcopy__(self, memo):
+        from .batch import deep_copy
+
+        return deep_copy(self, memo)
+
     # ---- mlx-lm cache contract ------------------------------------------------
     def update_and_fetch(self, keys, values):
         raise PatchStateError(
@@ -286,8 +299,8 @@ class VeloxCache(RowStorage, _BaseCache):
 
     @classmethod
     def merge(cls, caches):
-        raise UnsupportedCacheOperation(
-            "mlx-lm batch generation (BatchGenerator, the server) is not supported "
-            "with veloxpatch caches; generate one prompt at a time, or pass an "
-            "equal-length batch to model(...) directly"
-        )
+        """mlx-lm's batch cache of one layer (BatchGenerator, the server); a
+        clear error for algorithms that do not batch (see `batch_refusal`)."""
+        from .batch import merge
+
+        return merge(cls, caches)
