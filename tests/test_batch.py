@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 from helpers import greedy
-from mlx_lm.generate import BatchGenerator, batch_generate
+from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
+from mlx_lm.models.cache import make_prompt_cache
 from test_contract import HEAD_DIM, variants
 from tiny import ARCHS, CONFIGS, prompt_tokens, tiny_model
 
@@ -147,6 +148,51 @@ def test_a_sequence_joining_a_running_batch_changes_nothing(algo):
         check_alone(model, patch, token_ids, caches)
     if algo == "full":
         assert token_ids == ref
+
+
+def prefilled(model, make):
+    """Caches that already hold a first turn (what mlx-lm's server reuses)."""
+    out = []
+    for n, seed in ((12, 5), (30, 6)):
+        caches = make()
+        history = prompt_tokens(n, seed=seed)
+        for _ in generate_step(history, model, max_tokens=0, prompt_cache=caches):
+            pass
+        out.append(caches)
+    return out
+
+
+@pytest.mark.parametrize("algo", ["full", "snapkv"])
+def test_a_second_turn_batches_on_caches_that_hold_the_first(algo):
+    model = tiny_model("llama")
+    turn = [prompt_tokens(n, seed=s).tolist() for n, s in ((5, 7), (9, 8))]
+    kw = dict(max_tokens=6, prefill_step_size=STEP, return_token_ids=True)
+    ref = batch_generate(
+        model,
+        TOKENIZER,
+        turn,
+        prompt_caches=prefilled(model, lambda: make_prompt_cache(model)),
+        return_logprobs=True,
+        **kw,
+    )
+    with veloxpatch.patched(model, algo, **ALGOS.get(algo, {})) as patch:
+        given = prefilled(model, patch.make_cache)
+        held = [kept(c) for c in given]
+        got = batch_generate(
+            model,
+            TOKENIZER,
+            turn,
+            prompt_caches=given,
+            return_prompt_caches=True,
+            return_logprobs=True,
+            **kw,
+        )
+        assert [kept(c) for c in given] == held  # mlx-lm's caches stay as given
+        for i, own in enumerate(prefilled(model, patch.make_cache)):
+            toks, _ = greedy(model, mx.array(turn[i]), 6, STEP, prompt_cache=own)
+            assert got.token_ids[i] == toks and kept(got.caches[i]) == kept(own)
+    if algo == "full":
+        assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
 
 
 def test_an_algorithm_that_does_not_batch_is_refused_in_one_line(monkeypatch):

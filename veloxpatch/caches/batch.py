@@ -47,7 +47,9 @@ def merge(cls, caches) -> BatchCache:
             "mlx-lm batch generation was given caches of different veloxpatch "
             "algorithms; batch only sequences of one patch"
         )
-    if getattr(type(caches[0]), "batch_layout", "sequence") == "full":
+    layout = getattr(type(caches[0]), "batch_layout", "sequence")
+    # mlx-lm's layout has no per-sequence hook for a probe: those go one by one.
+    if layout == "full" and all(c.probe is None for c in caches):
         from .batch_full import FullBatch
 
         return FullBatch.merge(caches)
