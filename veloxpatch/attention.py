@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from . import mlx_flags
 from .caches.base import VeloxCache
+from .caches.batch import BatchCache
 from .errors import PatchStateError
 
 
@@ -17,7 +18,7 @@ def patched_forward(site, wrapped, attn, args, kwargs, owner=None):
     cache = call.get("cache")
     if cache is None:  # no cache at all (a scoring pass): nothing to compress
         return wrapped(*args, **kwargs)
-    if not isinstance(cache, VeloxCache):
+    if not isinstance(cache, (VeloxCache, BatchCache)):
         # An mlx-lm cache here would run uncompressed without a word.
         raise PatchStateError(
             f"layer {site.index} of this patched model was given mlx-lm's "

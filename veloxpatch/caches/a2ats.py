@@ -119,6 +119,7 @@ def assign(keys: mx.array, book: dict) -> mx.array:
 
 class A2ATSCache(VeloxCache):
     name = "a2ats"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "windowed RoPE + query-aware VQ codes; decode attends the top 3% only"
     note = (
         "keeps every key (saves compute, not memory); codebook=FILE from "

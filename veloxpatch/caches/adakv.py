@@ -39,5 +39,6 @@ class AdaKVOptions(SnapKVOptions):
 
 class AdaKVCache(SnapKVCache):
     name = "adakv"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "snapkv scores, budget shared across a layer's KV heads (alpha floor)"
     Options = AdaKVOptions

@@ -65,6 +65,10 @@ class VeloxCache(RowStorage, _BaseCache):
     note: ClassVar[str] = ""  # a trade-off worth knowing, printed under it
     Options: ClassVar[type[CacheOptions]] = CacheOptions
     wants_layer_input: ClassVar[bool] = False  # handed (x, o_proj) before attend
+    batchable: ClassVar[bool] = False  # `merge` builds a batch (caches/batch.py)
+    batch_refusal: ClassVar[str] = "its batch contract is not implemented"
+    batch_layout: ClassVar[str] = "sequence"  # or "full": mlx-lm's BatchKVCache
+    _shared_attrs: ClassVar[tuple] = ("options", "shards", "probe", "book")  # deepcopy
 
     def __init__(
         self, options: CacheOptions | None = None, layer: int = 0, num_layers: int = 1
@@ -177,6 +181,11 @@ class VeloxCache(RowStorage, _BaseCache):
         new.phase = self.phase.copy()
         return new
 
+    def __deepcopy__(self, memo):
+        from .batch import deep_copy
+
+        return deep_copy(self, memo)
+
     # ---- mlx-lm cache contract ------------------------------------------------
     def update_and_fetch(self, keys, values):
         raise PatchStateError(
@@ -199,10 +208,8 @@ class VeloxCache(RowStorage, _BaseCache):
         return True
 
     def trim(self, n):
-        """Forget the last `n` tokens (speculative decoding, prompt-cache reuse):
-        their rows go and `offset` moves back. Rows evicted while those tokens
-        were held stay evicted, and what they added to running statistics
-        (accumulated attention, query moments) stays added."""
+        """Forget the last `n` tokens (speculative decoding, prompt-cache reuse);
+        rows evicted meanwhile stay evicted, running statistics keep them."""
         n = max(0, min(int(n), self.offset))
         if n and self.keys is not None:
             self.forget_after(self.offset - n)
@@ -287,8 +294,7 @@ class VeloxCache(RowStorage, _BaseCache):
 
     @classmethod
     def merge(cls, caches):
-        raise UnsupportedCacheOperation(
-            "mlx-lm batch generation (BatchGenerator, the server) is not supported "
-            "with veloxpatch caches; generate one prompt at a time, or pass an "
-            "equal-length batch to model(...) directly"
-        )
+        """mlx-lm's batch cache of one layer (BatchGenerator, the server)."""
+        from .batch import merge  # a clear error where `batchable` is False
+
+        return merge(cls, caches)

@@ -94,6 +94,7 @@ def merge_moments(count: int, mean, m2, x: mx.array):
 
 class ExpectedAttentionCache(EvictingCache):
     name = "expected_attention"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "expected attention of future queries (context query statistics) x |v|"
     note = (
         "Question-agnostic: compresses when the prompt ends, from the prompt's "

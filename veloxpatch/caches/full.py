@@ -7,3 +7,5 @@ from .base import VeloxCache
 class FullCache(VeloxCache):
     name = "full"
     summary = "keeps everything; bit-identical to unpatched mlx-lm (parity reference)"
+    batchable = True
+    batch_layout = "full"  # mlx-lm's own BatchKVCache: bit-identical batches

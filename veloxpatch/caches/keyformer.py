@@ -37,6 +37,7 @@ class KeyformerOptions(H2OOptions):
 
 class KeyformerCache(H2OCache):
     name = "keyformer"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "accumulated Gumbel-perturbed, tempered attention + recent"
     Options = KeyformerOptions
 

@@ -49,6 +49,7 @@ class KIVIOptions(CacheOptions):
 
 class KIVICache(QuantizedKV, VeloxCache):
     name = "kivi"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "keys per channel, values per token, min/max quantized; recent in fp"
     note = (
         "bits='adaptive' keeps the prompt in full precision until it ends, then "

@@ -34,6 +34,7 @@ class KNormOptions(EvictionOptions):
 
 class KNormCache(EvictingCache):
     name = "knorm"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "lowest key L2 norm per KV head, sinks protected (no queries needed)"
     Options = KNormOptions
 

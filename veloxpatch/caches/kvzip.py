@@ -88,6 +88,7 @@ class KVzipOptions(EvictionOptions):
 
 class KVzipCache(EvictingCache):
     name = "kvzip"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "attention each pair gets while the model repeats the context; global"
     note = (
         "compress a context with patch.prefill(tokens, tokenizer) or `veloxpatch "

@@ -80,6 +80,12 @@ class PromptPhase:
         new.id = uuid.uuid4().hex
         return new
 
+    def __deepcopy__(self, memo):
+        # A deep-copied cache list shares one copy (memo); its caches re-register.
+        new = self.copy()
+        memo[id(self)] = new
+        return new
+
     # ---- saved with each cache (every layer holds the same) -------------------
     def as_meta(self) -> dict:
         return {

@@ -48,6 +48,7 @@ def pyramid_budgets(
 
 class PyramidKVCache(SnapKVCache):
     name = "pyramidkv"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "snapkv scores, per-layer budget tapered from lower to upper layers"
     Options = PyramidKVOptions
 

@@ -56,6 +56,7 @@ class QFiltersOptions(EvictionOptions):
 
 class QFiltersCache(EvictingCache):
     name = "qfilters"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "top key projection on the head's Q-Filter (real queries), + window"
     note = (
         "filters=FILE (veloxpatch calibrate) evicts during prefill too; without "

@@ -86,6 +86,7 @@ def pool_positions(scores: mx.array, kernel: int, kind: str) -> mx.array:
 
 class SnapKVCache(EvictingCache):
     name = "snapkv"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "top attention of the last w prompt queries, pooled; + the window"
     note = (
         "lookahead=k waits for k answer tokens and scores with their queries too, "

@@ -8,6 +8,7 @@ from .eviction import EvictingCache
 
 class StreamingLLMCache(EvictingCache):
     name = "streaming_llm"
+    batchable = True  # one cache per sequence (caches/batch.py)
     summary = "sinks + most recent tokens (no queries needed); budget = rows kept"
 
     def scores(self, q):
