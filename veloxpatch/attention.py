@@ -56,7 +56,7 @@ def patched_forward(site, wrapped, attn, args, kwargs, owner=None):
     query_scale = None
     if target.query_scale is not None:
         query_scale = target.query_scale(attn, L, cache.offset, call)
-    if cache.wants_layer_input:  # KVzip+ weighs by ||x|| and W_o
+    if getattr(cache, "wants_layer_input", False):  # KVzip+: ||x|| and W_o
         cache.layer_input = (x, attn.o_proj)
     out = cache.attend(
         q, k, v, rope=attn.rope, scale=attn.scale, query_scale=query_scale
