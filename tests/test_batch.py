@@ -139,9 +139,9 @@ def generate_with_a_late_joiner(model):
     return [tokens[u] for u in uids], [caches[u] for u in uids]
 
 
-@pytest.mark.parametrize("algo", ["full", "snapkv", "h2o"])
+@pytest.mark.parametrize("algo", ["full", "snapkv", "h2o", "kivi"])
 def test_a_sequence_joining_a_running_batch_changes_nothing(algo):
-    model = tiny_model("qwen3")
+    model = tiny_model("qwen3", head_dim=32)  # kivi quantizes groups of 32
     ref, _ = generate_with_a_late_joiner(model)
     with veloxpatch.patched(model, algo, **ALGOS.get(algo, {})) as patch:
         token_ids, caches = generate_with_a_late_joiner(model)
@@ -221,3 +221,27 @@ def test_deep_copies_keep_one_phase_per_sequence():
             model(mx.array(t), cache=twin)
         assert kept(caches) == before and twin[0].offset == caches[0].offset + 3
         assert twin[0].phase.ends == 1 and caches[0].phase.ends == 0
+
+
+@pytest.mark.parametrize(
+    "algo,opts",
+    [
+        ("kivi", dict(bits=8, residual=4)),
+        ("snapkv", dict(budget=40, kv_bits=8, kv_residual=4)),
+    ],
+)
+def test_deep_copies_of_quantized_rows_are_independent(algo, opts):
+    # the quantized store is an object, not an array: the server's prompt
+    # cache copies once shared it with the sequence they were taken from
+    model = tiny_model("llama", head_dim=HEAD_DIM)
+    with veloxpatch.patched(model, algo, **opts) as patch:
+        caches = patch.make_cache()
+        model(prompt_tokens(70)[None], cache=caches)
+        model(mx.array([[7]]), cache=caches)  # the prompt ends: rows quantized
+        assert caches[0].store is not None and caches[0].store.rows
+        twin = copy.deepcopy(caches)
+        held = [(c.rows, c.slots, c.quantized) for c in twin]
+        for t in prompt_tokens(40, seed=2).tolist():  # flushes more groups
+            model(mx.array([[t]]), cache=caches)
+        assert [(c.rows, c.slots, c.quantized) for c in twin] == held
+        assert greedy(model, prompt_tokens(3, seed=5), n=2, prompt_cache=twin)

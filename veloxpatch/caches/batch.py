@@ -70,16 +70,14 @@ def detached(cache):
 
 def deep_copy(cache, memo):
     """An independent copy of a sequence's cache (mlx-lm deep-copies cache lists
-    when it splits a batch); the layers of one list keep sharing one phase."""
-    new = copy.copy(cache)
+    when it splits a batch): `clone` (new arrays, and any store an algorithm
+    holds), the layers of one list sharing one phase again."""
+    new = cache.clone()
     memo[id(cache)] = new
+    new.phase = copy.deepcopy(cache.phase, memo)
+    new.phase.members.append(weakref.ref(new))
     for name, value in vars(cache).items():
-        if isinstance(value, mx.array):  # storage is updated in place: new arrays
-            setattr(new, name, mx.array(value))
-        elif name == "phase":
-            new.phase = copy.deepcopy(value, memo)
-            new.phase.members.append(weakref.ref(new))
-        elif name not in cache._shared_attrs and isinstance(
+        if name not in cache._shared_attrs and isinstance(
             value, (list, dict, tuple, set)
         ):
             setattr(new, name, copy.deepcopy(value, memo))
