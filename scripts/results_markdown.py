@@ -32,6 +32,33 @@ def load(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
 
 
+# the old quality_ppl.py's continuation columns, by their `veloxpatch eval` names
+_OLD_PPL = {"perplexity": "perplexity_mean", "agreement": "agreement_mean"}
+_OLD_PPL |= {"kl": "kl_mean"}
+
+
+def part_of(res: dict, task: str) -> dict:
+    """The `task` ("passkey" or "continuation") part of a results file, with
+    `table`, `raw` and (passkey) `smallest_budget_for_90pct_of_full`, in
+    `veloxpatch eval`'s schema, from either that schema ({task: {...}}) or that
+    of the scripts before they called it (one task, its table at the top, ppl
+    columns named perplexity_mean, ..., kv_bytes)."""
+    if task in res:
+        return res[task]
+    if task != "continuation":
+        return res
+    table = [
+        {**r, **{new: r[old] for new, old in _OLD_PPL.items()}}
+        | {"kv_mb": r["kv_bytes"] / 1e6}
+        for r in res["table"]
+    ]
+    return {**res, "table": table}
+
+
+def table_of(res: dict, task: str) -> list[dict]:
+    return part_of(res, task)["table"]
+
+
 def short(family: str) -> str:
     # calibration files make long labels: keep the file's name only
     for key in ("filters=", "codebook="):

@@ -121,6 +121,20 @@ BEFORE_LOAD = [
         f"eval {AR} --tasks passkey --segments 4",
         "--segments is not read by --tasks passkey",
     ),
+    (f"eval {AR} --tasks ppl --search 768", "--search is not read by --tasks ppl"),
+    (
+        f"eval {AR} --tasks ppl --decode-lead-in",
+        "--decode-lead-in is not read by --tasks ppl",
+    ),
+    (
+        f"eval {AR} --search 1024,768",
+        "--search must list budgets in increasing order, got 1024,768",
+    ),
+    (f"eval {AR} --search 0", "--search must be comma-separated integers"),
+    (
+        f"eval {AR} --protocol agnostic --decode-lead-in",
+        "--decode-lead-in needs --protocol aware",
+    ),
     (f"eval {AR} --tasks speed", "unknown task(s) ['speed']"),
     (f"eval {AR} --text latin1.txt", "is not UTF-8 text"),
     ("eval --arms , --out r.json", "--arms names no arm"),

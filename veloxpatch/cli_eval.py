@@ -157,6 +157,21 @@ def _with(options):
 @click.option("--continuation", type=int, default=256, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
+    "--decode-lead-in",
+    is_flag=True,
+    help="passkey: end the prompt at the question and feed the answer's lead-in "
+    "('The secret number is') as answer tokens, so lookahead compresses before "
+    "the first digit is predicted",
+)
+@click.option(
+    "--search",
+    type=Counts(1, empty_ok=True),
+    default="",
+    metavar="BUDGETS",
+    help="passkey: budgets tried in order, e.g. 768,1024, for families under 90% "
+    "of full at every budget, until each reaches it",
+)
+@click.option(
     "--protocol",
     type=click.Choice(["aware", "agnostic"]),
     default="aware",

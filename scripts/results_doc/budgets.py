@@ -3,13 +3,29 @@ quality against budget up to 1,024 rows, and lookahead."""
 
 from __future__ import annotations
 
-from results_markdown import command, load, mb, meta, split_arm, table, wilson
+from results_markdown import (
+    command,
+    load,
+    meta,
+    part_of,
+    split_arm,
+    table,
+    table_of,
+    wilson,
+)
 
 PY = ".venv/bin/python"
 PPL_KEYS = ["arms", "budgets", "context", "continuation", "segments"]
 PPL_KEYS += ["prefill_step_size", "out"]
-PK_KEYS = ["arms", "budgets", "cases", "context", "seed", "prefill_step_size"]
+PK_KEYS = ["arms", "budgets", "search", "cases", "context", "seed", "prefill_step_size"]
 PK_KEYS += ["decode_lead_in", "out"]
+
+
+# true of files the script wrote before it called `veloxpatch eval`
+_OLD_SEGMENTS = (
+    " The second segment differs from the one `veloxpatch eval` uses, so these "
+    "perplexities are not comparable with the eval tables."
+)
 
 
 def _families(rows: list[dict]) -> dict:
@@ -24,7 +40,7 @@ def _families(rows: list[dict]) -> dict:
 def _ppl_table(results: list[dict]) -> list[str]:
     rows = []
     for res in results:
-        for fam, by in _families(res["table"]).items():
+        for fam, by in _families(table_of(res, "continuation")).items():
             if fam in {r[0].strip("`") for r in rows}:
                 continue  # `full` appears in several files
 
@@ -36,10 +52,10 @@ def _ppl_table(results: list[dict]) -> list[str]:
             rows.append(
                 [
                     f"`{fam}`",
-                    cells("perplexity_mean", "{:.2f}"),
-                    cells("agreement_mean", "{:.3f}"),
-                    cells("kl_mean", "{:.3f}"),
-                    " / ".join(mb(by[b]["kv_bytes"]) for b in order),
+                    cells("perplexity", "{:.2f}"),
+                    cells("agreement", "{:.3f}"),
+                    cells("kl", "{:.3f}"),
+                    cells("kv_mb", "{:.1f}"),
                 ]
             )
     return table(["arm", "ppl", "agreement", "KL", "KV MB"], rows)
@@ -48,6 +64,7 @@ def _ppl_table(results: list[dict]) -> list[str]:
 def perplexity() -> list[str]:
     core, qa = load("ppl_core"), load("ppl_query_aware")
     cfg = core["config"]
+    segments = "" if "continuation" in core else _OLD_SEGMENTS
     return [
         "## Continuation quality against budget",
         "",
@@ -56,9 +73,7 @@ def perplexity() -> list[str]:
         "each continuation token fed alone (`scripts/quality_ppl.py`); agreement "
         "is top-1 agreement with `full`, KL the mean KL(full ‖ arm). Cells are "
         "budgets 256 / 512 / 1024. SnapKV-family bytes include the window rows "
-        "held during decode, Ada-KV's its head padding. The second segment "
-        "differs from the one `veloxpatch eval` uses, so these perplexities are "
-        "not comparable with the eval tables.",
+        f"held during decode, Ada-KV's its head padding.{segments}",
         "",
         meta("ppl_core", core),
         "",
@@ -80,8 +95,8 @@ def perplexity() -> list[str]:
 def _passkey_grid(res_list, families, budgets, smallest=True) -> list[str]:
     rows = []
     for res in res_list:
-        fams = _families(res["table"])
-        best = res.get("smallest_budget_for_90pct_of_full", {})
+        fams = _families(table_of(res, "passkey"))
+        best = part_of(res, "passkey").get("smallest_budget_for_90pct_of_full", {})
         for fam in families:
             if fam not in fams:
                 continue
@@ -95,11 +110,11 @@ def _passkey_grid(res_list, families, budgets, smallest=True) -> list[str]:
 
 def passkey() -> list[str]:
     look, acc = load("passkey_snapkv_lookahead"), load("passkey_accumulated")
-    full = _families(look["table"])["full"][None]
+    full = _families(table_of(look, "passkey"))["full"][None]
     budgets = [128, 256, 512, 768, 1024]
     at256 = max(
         r["correct"]
-        for r in look["table"] + acc["table"]
+        for r in table_of(look, "passkey") + table_of(acc, "passkey")
         if r["budget"] == 256 and ":" not in r["family"]  # no lookahead
     )
     return [
@@ -139,11 +154,10 @@ def lookahead() -> list[str]:
         load("passkey_lookahead_decoded_lead_in"),
     )
     first, ppl = load("passkey_snapkv_family"), load("ppl_lookahead")
-    answers = {(r["arm"], r["seed"], r["depth"]): r["answer"] for r in look["raw"]}
-    equal = sum(
-        answers.get((r["arm"], r["seed"], r["depth"])) == r["answer"]
-        for r in first["raw"]
-    )
+    key = ("arm", "seed", "depth")
+    raw, first_raw = part_of(look, "passkey")["raw"], part_of(first, "passkey")["raw"]
+    answers = {tuple(r[k] for k in key): r["answer"] for r in raw}
+    equal = sum(answers.get(tuple(r[k] for k in key)) == r["answer"] for r in first_raw)
     ks = [f"{a}:lookahead={k}" for a in ("snapkv", "adakv") for k in (4, 8, 16)]
     return [
         "## Lookahead",
@@ -161,7 +175,7 @@ def lookahead() -> list[str]:
         "",
         "The k = 0 arms of this run give the same answers as an earlier run made "
         "before the option existed, case for case "
-        f"({equal} of {len(first['raw'])}):",
+        f"({equal} of {len(first_raw)}):",
         "",
         meta("passkey_snapkv_family", first),
         "",
@@ -201,8 +215,8 @@ def lookahead() -> list[str]:
 def knorm_recent() -> list[str]:
     res = load("knorm_recent")
     cfg = res["config"]
-    rows = {r["arm"]: r for r in res["table"]}
-    full = rows["full"]["perplexity_mean"]
+    rows = {r["arm"]: r for r in table_of(res, "continuation")}
+    full = rows["full"]["perplexity"]
     cells: dict = {}
     for arm, r in rows.items():
         fam, budget = split_arm(arm)
@@ -216,8 +230,7 @@ def knorm_recent() -> list[str]:
                 return "(not valid)"
             r = by[b]
             return (
-                f"{r['perplexity_mean'] / full:.2f}x ({r['agreement_mean']:.3f}, "
-                f"{r['kl_mean']:.3f})"
+                f"{r['perplexity'] / full:.2f}x ({r['agreement']:.3f}, {r['kl']:.3f})"
             )
 
         body.append([f"`{fam}`", cell(256), cell(512)])
