@@ -2,14 +2,30 @@
 computed from the results files in scripts/results/ (see make_results_doc.py).
 `headline` is the README's results summary."""
 
-from . import agnostic, budgets, eval_runs, peers, quantized, speed, studies
+from . import (
+    agnostic,
+    budgets,
+    eval_runs,
+    pareto,
+    peers,
+    quantized,
+    reuse,
+    serving,
+    speed,
+    studies,
+)
 from .headline import headline
 
 __all__ = ["SECTIONS", "headline"]
 
 SECTIONS = [
     agnostic.passkey_agnostic,
+    reuse.kvzip_plus,
+    reuse.ppl_agnostic,
+    reuse.second_text,
+    pareto.pareto,
     agnostic.compress_cost,
+    serving.serve_bench,
     eval_runs.passkey_all,
     agnostic.passkey_aware_new,
     eval_runs.quantized_ppl,
