@@ -9,7 +9,15 @@ import textwrap
 import click
 
 from . import blas
-from .cli_checks import Count, Finite, Group, NonEmpty, UserError, user_errors
+from .cli_checks import (
+    Count,
+    Finite,
+    Group,
+    NonEmpty,
+    UserError,
+    algo_options,
+    user_errors,
+)
 
 _user_errors = user_errors  # the name the subcommand modules import
 
@@ -87,15 +95,10 @@ def generate(
 
     from .api import apply, make_options
     from .cli_text import read_prompt
-    from .eval.arms import parse_pairs
     from .memory import full_kv_bytes, kv_bytes
     from .models import chat_prompt, load
 
-    options = parse_pairs(algo_args)
-    if budget is not None:
-        if "budget" in options:
-            raise UserError("budget given twice: --budget and --algo-arg budget=")
-        options["budget"] = budget
+    options = algo_options(budget, algo_args)
     if cache_path is not None and (options or algo != "full"):
         raise UserError("--cache gives the algorithm and its options; drop --algo")
     if max_kv_bytes is not None:

@@ -265,3 +265,15 @@ def refuse_unread(ctx: click.Context, names, why: str) -> None:
     if unread:
         flags = ", ".join("--" + n.replace("_", "-") for n in unread)
         raise UserError(f"{flags} {'is' if len(unread) == 1 else 'are'} {why}")
+
+
+def algo_options(budget, algo_args) -> dict:
+    """`--algo-arg k=v` pairs with `--budget` merged in (given once only)."""
+    from .eval.arms import parse_pairs
+
+    options = parse_pairs(algo_args)
+    if budget is not None:
+        if "budget" in options:
+            raise UserError("budget given twice: --budget and --algo-arg budget=")
+        options["budget"] = budget
+    return options

@@ -10,7 +10,7 @@ import time
 import click
 
 from .cli import _user_errors, main
-from .cli_checks import NonEmpty, OutputFile, UserError, refuse_existing
+from .cli_checks import NonEmpty, OutputFile, UserError, algo_options, refuse_existing
 
 MARK = "\x00veloxpatch-question\x00"
 
@@ -48,15 +48,10 @@ def compress(model, context_path, algo, budget, algo_args, out, force, chat):
     from .api import apply, make_options
     from .caches.io import save_cache
     from .calibration_files import fingerprint
-    from .eval.arms import parse_pairs
     from .memory import full_kv_bytes, kv_bytes
     from .models import load
 
-    options = parse_pairs(algo_args)
-    if budget is not None:
-        if "budget" in options:
-            raise UserError("budget given twice: --budget and --algo-arg budget=")
-        options["budget"] = budget
+    options = algo_options(budget, algo_args)
     make_options(algo, options)  # fail before the slow load
     refuse_existing(force, out=out)
     text = read_utf8(context_path)

@@ -14,7 +14,7 @@ from unittest import mock
 import click
 
 from .cli import _user_errors, main
-from .cli_checks import NonEmpty, UserError
+from .cli_checks import NonEmpty, UserError, algo_options
 
 # mlx-lm server flags that would bypass or break the patch: refused up front
 REFUSED = {
@@ -133,13 +133,8 @@ def serve(ctx, model, algo, budget, algo_args, max_kv_bytes, quantized):
 
     from .api import make_options
     from .caches.kv_budget import parse_size
-    from .eval.arms import parse_pairs
 
-    options = parse_pairs(algo_args)
-    if budget is not None:
-        if "budget" in options:
-            raise UserError("budget given twice: --budget and --algo-arg budget=")
-        options["budget"] = budget
+    options = algo_options(budget, algo_args)
     make_options(algo, options)  # fail before the slow load
     cap = parse_size(max_kv_bytes) if max_kv_bytes is not None else None
     cli_args = parse_mlx_flags(list(ctx.args))
