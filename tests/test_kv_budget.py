@@ -83,6 +83,8 @@ def test_quantized_rows_convert_exactly():
     [
         ("h2o", {}),
         ("snapkv", dict(window=4)),
+        ("expected_attention", dict(window=4)),
+        ("kvzip", dict(window=4)),
         ("h2o", dict(kv_bits=4, kv_residual=8)),
         ("snapkv", dict(window=4, kv_bits=2, kv_residual=8)),
         ("tova", dict(kv_bits="adaptive", target_bits=3, kv_residual=8)),

@@ -241,3 +241,84 @@ def test_compressed_layers_hold_no_spare_rows(kv_bits):
                 assert c.keys.shape[2] == c.values.shape[2] == c.rows
         text = greedy(model, prompt_tokens(5, seed=4), n=3, prompt_cache=caches)[0]
     assert len(text) == 3
+
+
+def numpy_decode_scores(q, keys, pos, offset, scale):
+    """The largest probability any buffered decode query of a GQA group gives
+    each stored row: q [B, Hq, n, D] at positions offset - n.., keys [B, Hkv, T, D]."""
+    B, hq, n, _ = q.shape
+    hkv = keys.shape[1]
+    g = hq // hkv
+    out = np.zeros((B, hkv, keys.shape[2]))
+    qpos = np.arange(offset - n, offset)
+    for b in range(B):
+        for h in range(hq):
+            logits = q[b, h] @ keys[b, h // g].T * scale
+            logits = np.where(pos[b, h // g][None, :] <= qpos[:, None], logits, -np.inf)
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out[b, h // g] = np.maximum(out[b, h // g], p.max(0))
+    return out
+
+
+def test_decode_recompression_keeps_the_best_rows_by_the_newest_queries():
+    model = tiny_model("llama")
+    ids = prompt_tokens(40).tolist()
+    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, window=4) as patch:
+        caches = patch.prefill(ids, tokenizer=TOK)
+        c = caches[1]
+        seen = []
+        evict = c.evict_to
+
+        def spy(n_keep, scores, counts=None):
+            keys, _ = c._view()
+            pos = np.array(c.positions_view())
+            ref = numpy_decode_scores(
+                np.array(c.decode_queries, dtype=np.float32),
+                np.array(keys, dtype=np.float32),
+                pos,
+                c.offset,
+                c.scale,
+            )
+            np.testing.assert_allclose(np.array(scores), ref, rtol=1e-4, atol=1e-6)
+            evict(n_keep, scores, counts)
+            kept = np.array(c.positions_view())
+            for b in range(pos.shape[0]):
+                for h in range(pos.shape[1]):
+                    top = set(pos[b, h][np.argsort(-ref[b, h])[:n_keep]].tolist())
+                    must = {p for p in pos[b, h] if p < 2 or p >= c.offset - 4}
+                    best = [
+                        p for p in pos[b, h][np.argsort(-ref[b, h])] if p not in must
+                    ]
+                    want = must | set(best[: n_keep - len(must)])
+                    assert set(kept[b, h].tolist()) == want, (top, want)
+            seen.append(n_keep)
+
+        c.evict_to = spy
+        greedy(model, prompt_tokens(5, seed=3), n=12, prompt_cache=caches)
+    assert seen and all(n == c.context_rows for n in seen)
+    assert all(x.rows <= x.context_rows + 4 for x in caches)
+
+
+def test_frozen_decode_keeps_the_context_and_short_answers_agree():
+    model = tiny_model("llama")
+    ids = prompt_tokens(40).tolist()
+    got = {}
+    for decode in ("attention", "frozen"):
+        with veloxpatch.patched(
+            model, "kvzip", budget=12, sinks=2, window=4, decode=decode
+        ) as patch:
+            caches = patch.prefill(ids, tokenizer=TOK)
+            context = [np.array(c.positions_view()) for c in caches]
+            short = greedy(
+                model, prompt_tokens(5, seed=3), n=4, prompt_cache=copy_cache(caches)
+            )
+            greedy(model, prompt_tokens(5, seed=3), n=12, prompt_cache=caches)
+            kept = [np.array(c.positions_view()) for c in caches]
+        got[decode] = short
+        held = [set(k.ravel().tolist()) for k in kept]
+        whole = all(set(ctx.ravel().tolist()) <= h for ctx, h in zip(context, held))
+        assert whole == (decode == "frozen")
+    # an answer within the window never triggers a recompression: same tokens
+    assert got["attention"][0] == got["frozen"][0]
+    assert max_abs(got["attention"][1], got["frozen"][1]) == 0

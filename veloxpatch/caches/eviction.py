@@ -82,6 +82,10 @@ class EvictionOptions(CacheOptions):
         """Rows held beyond the budget while decoding (snapkv: its window)."""
         return 0
 
+    def side_bytes(self, heads: int, head_dim: int) -> int:
+        """Bytes a layer holds besides its rows, counted in nbytes (per sequence)."""
+        return 0
+
     def recent_rows(self) -> int:
         """Newest rows never evicted (subclasses: their window or `recent`)."""
         return 0

@@ -54,6 +54,12 @@ class ExpectedAttentionOptions(EvictionOptions):
     def recent_rows(self):
         return self.window
 
+    def decode_extra_rows(self):
+        return self.window  # new rows held until the next recompression
+
+    def side_bytes(self, heads, head_dim):
+        return heads * (head_dim + head_dim**2) * 4  # float32 mean, covariance
+
     def __post_init__(self):
         check_int("window", self.window, 0)
         check_int("n_future", self.n_future, 1, MAX_FUTURE)

@@ -14,6 +14,9 @@ beyond its budget while decoding (snapkv's window):
   per `group` values: 4 D x dtype size / group), plus 8 bytes per row (its
   position and its slot). Adaptive widths count their mean, `target_bits`.
 
+Plus what a layer holds besides its rows (`side_bytes`: expected_attention's
+query mean and covariance).
+
 Sliding-window layers keep mlx-lm's own caches and are not counted. Ada-KV
 pads every head to the layer's largest head: that padding depends on the
 scores and is not in the bound.
@@ -94,9 +97,11 @@ def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:
 
     r = budget + options.decode_extra_rows()
     total = 0.0
-    for kv_heads, d, sliding in zip(dims.kv_heads, dims.head_dims, dims.sliding):
+    layers = zip(dims.heads, dims.kv_heads, dims.head_dims, dims.sliding)
+    for heads, kv_heads, d, sliding in layers:
         if sliding:
             continue
+        total += options.side_bytes(heads, d)
         dense = slot_bytes(options, d, dtype_size, False)
         if options.kv_bits is None:
             per_head = r * (dense + 4)

@@ -22,8 +22,14 @@ as many rows as its largest head needs (its next best fill what would be
 padding), and the threshold is the lowest whose layers hold at most budget x
 layers x KV heads rows: `budget` counts rows held, like every algorithm's.
 Only the first prompt is compressed: a later prompt (a question asked on the
-compressed context) is kept whole, and generated tokens slide through the newest
-`window` rows, so memory stays bounded while decoding.
+compressed context) is kept whole. While decoding, memory stays within the
+compressed rows plus `window`: with `decode="attention"` (default), once `window`
+tokens have been generated every row but the sinks and those newest tokens
+competes by the largest probability the last `window` queries give it (KVzip's
+maximum, with decode queries in place of the repeat's), and the cache is cut
+back to the compressed size, as SnapKV decodes; with `decode="frozen"` the
+compressed context is never touched and generated tokens slide through the
+newest `window` rows (a long answer then sees only its last `window` tokens).
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from .attention_probs import query_probs
 from .base import PAD_POSITION
 from .eviction import EvictingCache, EvictionOptions
 from .kvzip_choice import compress_together
-from .options import check_int, check_number
+from .kvzip_plus import output_gram, plus_scores
+from .options import check_choice, check_int, check_number
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -52,17 +59,23 @@ class KVzipOptions(EvictionOptions):
     per reconstruction chunk. `layerwise`: one threshold per layer instead of
     one for the model. `plus`: KVzip+ (Jegou et al. 2026, KVzap), each
     probability times ||W_o v|| of its query head over ||x|| of the repeat
-    query's attention input: what the pair adds to the residual stream."""
+    query's attention input: what the pair adds to the residual stream.
+    `decode`: "attention" or "frozen", what generated tokens do (see above)."""
 
     floor: float = 0.1
     window: int = 32
     chunk: int = 2048
     layerwise: bool = False
     plus: bool = False
+    decode: str = "attention"
+
+    def decode_extra_rows(self):
+        return self.window  # generated rows held on top of the compressed ones
 
     def __post_init__(self):
         check_number("floor", self.floor, 0, 1)
         check_int("window", self.window, 0)
+        check_choice("decode", self.decode, ("attention", "frozen"))
         check_int("chunk", self.chunk, OVERLAP + 1)
         if self.head_budget != "uniform":
             raise ValueError(
@@ -107,6 +120,7 @@ class KVzipCache(EvictingCache):
         self.compressed_ends = -1  # the prompt end the compression served
         self.layer_input = None  # (x, o_proj) of the call, for KVzip+
         self.wo_gram = None  # [Hq, D, D] W_o^T W_o per query head, for KVzip+
+        self.decode_queries = None  # last `window` decode queries [B, Hq, n, D]
 
     @property
     def wants_layer_input(self) -> bool:
@@ -174,17 +188,9 @@ class KVzipCache(EvictingCache):
             return probs.max(axis=(2, 3))
         x, o_proj = self.layer_input
         self.layer_input = None
-        B, Hkv, G = probs.shape[:3]
-        x_norm = mx.linalg.norm(x.astype(mx.float32), axis=-1)  # [B, L]
-        best = (probs / x_norm[:, None, None, :, None]).max(axis=3)  # [B, Hkv, G, C]
         if self.wo_gram is None:
-            w = _dense_weight(o_proj).astype(mx.float32)  # [hidden, Hq * D]
-            w = w.reshape(w.shape[0], Hkv * G, -1)
-            self.wo_gram = mx.einsum("nhd,nhe->hde", w, w)
-        gram = self.wo_gram.reshape(Hkv, G, *self.wo_gram.shape[1:])
-        v = values.astype(mx.float32)[:, :, None]  # [B, Hkv, 1, C, D]
-        wv = mx.sqrt(mx.maximum(((v @ gram) * v).sum(-1), 0))  # ||W_o^h v||
-        return (best * wv).max(axis=2)
+            self.wo_gram = output_gram(o_proj, probs.shape[1] * probs.shape[2])
+        return plus_scores(probs, values, x, self.wo_gram)
 
     def _raise_scores(self, new: mx.array, start: int) -> None:
         B, H, n = new.shape
@@ -202,6 +208,7 @@ class KVzipCache(EvictingCache):
     def end_prompt(self):
         if self.context_rows is not None:  # a later prompt (a question) is kept
             self.context_rows, self.context_end = self.rows, self.offset
+            self.decode_queries = None  # their positions no longer end at offset
             return
         if self.compressed_ends == self.phase.ends or self.zscore is None:
             return
@@ -221,18 +228,46 @@ class KVzipCache(EvictingCache):
         self.compressed_ends = self.phase.ends
         self.zscore = None
 
-    # ---- decode: the compressed context plus a sliding window ---------------------
-    def compress_now(self, new_rows):
-        if self.context_rows is None or self.in_prompt:
-            return False
-        return self.rows > self.context_rows + self.options.window
+    # ---- decode: the compressed size plus `window` generated rows ----------------
+    @property
+    def frozen(self) -> bool:
+        return self.options.decode == "frozen"
 
     def after_attend(self, q, new_rows):
-        if self.compress_now(new_rows):
-            pos = self.positions_view()
-            counts = (pos < self.context_end).sum(-1) + self.options.window
-            scores = pos.astype(mx.float32)  # context and window are protected
-            self.evict_to(int(counts.max().item()), scores, counts)
+        if self.context_rows is None or self.in_prompt:
+            return
+        w = self.options.window
+        if not self.frozen:  # the newest queries (at least this call's) score rows
+            buf = (
+                q
+                if self.decode_queries is None
+                else mx.concatenate([self.decode_queries, q], axis=2)
+            )
+            self.decode_queries = buf[:, :, -max(w, 1) :]
+        if self.rows <= self.context_rows + w:
+            return
+        if not self.frozen:
+            self.evict_to(self.context_rows, self.decode_scores())
+            return
+        pos = self.positions_view()
+        counts = (pos < self.context_end).sum(-1) + w
+        scores = pos.astype(mx.float32)  # context and window are protected
+        self.evict_to(int(counts.max().item()), scores, counts)
+
+    def decode_scores(self) -> mx.array:
+        """[B, Hkv, T] the largest probability a buffered decode query of the
+        GQA group gives each stored row."""
+        keys, _ = self._view()
+        q = self.decode_queries
+        start = self.offset - q.shape[2]
+        _, probs = query_probs(q, keys, self.positions_view(), start, self.scale)
+        return probs.max(axis=(2, 3))
+
+    def trim(self, n):
+        n = super().trim(n)
+        if n:
+            self.decode_queries = None  # they may include trimmed tokens
+        return n
 
     def row_bound(self) -> int:
         if self.context_rows is None:
@@ -242,18 +277,23 @@ class KVzipCache(EvictingCache):
     def protected_mask(self, pos):
         if self.context_rows is None:
             return super().protected_mask(pos)
-        # after compression: the kept context and the newest window rows stay
+        # after compression: the sinks (or the whole kept context, frozen) and
+        # the newest window rows stay
         recent = (pos >= self.offset - self.options.window) & (pos != PAD_POSITION)
-        return (pos < self.context_end) | recent
+        kept = (pos < self.context_end) if self.frozen else (pos < self.options.sinks)
+        return kept | recent
 
     def side_arrays(self):
-        return super().side_arrays() + ([] if self.zscore is None else [self.zscore])
+        side = [a for a in (self.zscore, self.decode_queries) if a is not None]
+        return super().side_arrays() + side
 
     def extra_state(self):
-        return {} if self.zscore is None else {"zscore": self.zscore}
+        named = {"zscore": self.zscore, "decode_queries": self.decode_queries}
+        return {k: v for k, v in named.items() if v is not None}
 
     def load_extra_state(self, st):
         self.zscore = st.get("zscore")
+        self.decode_queries = st.get("decode_queries")
 
     def extra_meta(self):
         return {
@@ -266,16 +306,3 @@ class KVzipCache(EvictingCache):
         self.context_rows = m.get("context_rows")
         self.context_end = m.get("context_end")
         self.compressed_ends = int(m.get("compressed_ends", -1))
-
-
-def _dense_weight(linear) -> mx.array:
-    """The weight of an mlx Linear, dequantized if it is a QuantizedLinear."""
-    if hasattr(linear, "scales"):
-        return mx.dequantize(
-            linear.weight,
-            linear.scales,
-            linear.get("biases"),
-            linear.group_size,
-            linear.bits,
-        )
-    return linear.weight
