@@ -72,6 +72,11 @@ def test_broken_arm_scores_worse_than_full():
     assert broken.agreement < 0.9 and broken.kl > 10 * max(good.kl, 1e-4)
     assert broken.kv_bytes < good.kv_bytes < full.kv_bytes
     assert full.prefill_step_size == 32 and broken.options == {"budget": 1, "sinks": 0}
+    # the profile's spans cover the 30 positions, and their mean is the KL
+    assert list(broken.kl_profile) == ["0-8", "8-30"]
+    mean = (8 * broken.kl_profile["0-8"] + 22 * broken.kl_profile["8-30"]) / 30
+    assert abs(mean - broken.kl) < 1e-4 * max(1.0, broken.kl)
+    assert all(abs(v) < 1e-6 for v in full.kl_profile.values())
 
 
 def test_arm_syntax():

@@ -84,8 +84,24 @@ def perplexity(logprobs: mx.array, continuation) -> float:
 def agreement_and_kl(logprobs: mx.array, reference: mx.array) -> tuple[float, float]:
     """Top-1 agreement with the reference's greedy tokens and mean KL(ref || arm)."""
     agree = (mx.argmax(logprobs, -1) == mx.argmax(reference, -1)).mean().item()
-    kl = (mx.exp(reference) * (reference - logprobs)).sum(-1).mean().item()
-    return agree, kl
+    return agree, position_kl(logprobs, reference).mean().item()
+
+
+def position_kl(logprobs: mx.array, reference: mx.array) -> mx.array:
+    """KL(ref || arm) at every continuation position [T]."""
+    return (mx.exp(reference) * (reference - logprobs)).sum(-1)
+
+
+def kl_profile(logprobs: mx.array, reference: mx.array) -> dict[str, float]:
+    """Mean KL over positions [0, 8), [8, 32), [32, 64), [64, 128), ... : how
+    the loss moves as generation goes on (early: the compressed context alone;
+    later: what decode-time eviction kept)."""
+    kl = position_kl(logprobs, reference)
+    edges = [0, 8, 32]
+    while edges[-1] < kl.shape[0]:
+        edges.append(edges[-1] * 2)
+    edges = sorted({min(e, kl.shape[0]) for e in edges})
+    return {f"{a}-{b}": kl[a:b].mean().item() for a, b in zip(edges, edges[1:])}
 
 
 @dataclass
@@ -101,6 +117,7 @@ class ContinuationResult:
     kl: float
     kv_bytes: int
     shared_prefill: bool
+    kl_profile: dict = field(default_factory=dict)
 
     def as_dict(self):
         return asdict(self)
@@ -143,6 +160,7 @@ def evaluate_continuation(
                 kl,
                 kv,
                 prefills.single,
+                kl_profile(lp, reference),
             )
         )
     return results

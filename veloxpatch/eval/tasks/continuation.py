@@ -88,6 +88,10 @@ def _table(rows, arms) -> list[dict]:
                 "agreement": statistics.mean(r["agreement"] for r in mine),
                 "kl": statistics.mean(r["kl"] for r in mine),
                 "kv_mb": statistics.mean(r["kv_bytes"] for r in mine) / 1e6,
+                "kl_profile": {
+                    k: statistics.mean(r["kl_profile"][k] for r in mine)
+                    for k in mine[0].get("kl_profile", {})
+                },
             }
         )
     return table
