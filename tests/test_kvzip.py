@@ -244,20 +244,23 @@ def test_compressed_layers_hold_no_spare_rows(kv_bits):
 
 
 def numpy_decode_scores(q, keys, pos, offset, scale):
-    """The largest probability any buffered decode query of a GQA group gives
-    each stored row: q [B, Hq, n, D] at positions offset - n.., keys [B, Hkv, T, D]."""
+    """SnapKV's score under the buffered decode queries q [B, Hq, n, D] at
+    positions offset - n..: summed probabilities, max-pooled over 7 positions
+    (zero padding), mean over the GQA group; keys [B, Hkv, T, D]."""
     B, hq, n, _ = q.shape
-    hkv = keys.shape[1]
+    hkv, T = keys.shape[1], keys.shape[2]
     g = hq // hkv
-    out = np.zeros((B, hkv, keys.shape[2]))
+    out = np.zeros((B, hkv, T))
     qpos = np.arange(offset - n, offset)
     for b in range(B):
         for h in range(hq):
             logits = q[b, h] @ keys[b, h // g].T * scale
             logits = np.where(pos[b, h // g][None, :] <= qpos[:, None], logits, -np.inf)
             p = np.exp(logits - logits.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
-            out[b, h // g] = np.maximum(out[b, h // g], p.max(0))
+            summed = (p / p.sum(-1, keepdims=True)).sum(0)
+            padded = np.pad(summed, 3)
+            pooled = np.max([padded[i : i + T] for i in range(7)], axis=0)
+            out[b, h // g] += pooled / g
     return out
 
 
@@ -281,23 +284,26 @@ def test_decode_recompression_keeps_the_best_rows_by_the_newest_queries():
                 c.scale,
             )
             np.testing.assert_allclose(np.array(scores), ref, rtol=1e-4, atol=1e-6)
+            assert n_keep == 12
             evict(n_keep, scores, counts)
             kept = np.array(c.positions_view())
             for b in range(pos.shape[0]):
                 for h in range(pos.shape[1]):
-                    top = set(pos[b, h][np.argsort(-ref[b, h])[:n_keep]].tolist())
-                    must = {p for p in pos[b, h] if p < 2 or p >= c.offset - 4}
-                    best = [
-                        p for p in pos[b, h][np.argsort(-ref[b, h])] if p not in must
-                    ]
-                    want = must | set(best[: n_keep - len(must)])
-                    assert set(kept[b, h].tolist()) == want, (top, want)
+                    row, held = pos[b, h], set(kept[b, h].tolist())
+                    must = (row < 2) | (row >= c.offset - 4)  # sinks, window
+                    assert {int(p) for p in row[must]} <= held
+                    assert len(held) == n_keep
+                    free = ~must
+                    won = np.array([p in held for p in row]) & free
+                    lost = ~np.array([p in held for p in row]) & free
+                    if won.any() and lost.any():  # ties may go either way
+                        assert ref[b, h][won].min() >= ref[b, h][lost].max() - 1e-6
             seen.append(n_keep)
 
         c.evict_to = spy
         greedy(model, prompt_tokens(5, seed=3), n=12, prompt_cache=caches)
-    assert seen and all(n == c.context_rows for n in seen)
-    assert all(x.rows <= x.context_rows + 4 for x in caches)
+    assert seen and all(n == 12 for n in seen)  # every layer back to the budget
+    assert all(x.rows <= 12 + 4 for x in caches)
 
 
 def test_frozen_decode_keeps_the_context_and_short_answers_agree():

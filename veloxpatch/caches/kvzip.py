@@ -22,14 +22,14 @@ as many rows as its largest head needs (its next best fill what would be
 padding), and the threshold is the lowest whose layers hold at most budget x
 layers x KV heads rows: `budget` counts rows held, like every algorithm's.
 Only the first prompt is compressed: a later prompt (a question asked on the
-compressed context) is kept whole. While decoding, memory stays within the
-compressed rows plus `window`: with `decode="attention"` (default), once `window`
-tokens have been generated every row but the sinks and those newest tokens
-competes by the largest probability the last `window` queries give it (KVzip's
-maximum, with decode queries in place of the repeat's), and the cache is cut
-back to the compressed size, as SnapKV decodes; with `decode="frozen"` the
-compressed context is never touched and generated tokens slide through the
-newest `window` rows (a long answer then sees only its last `window` tokens).
+compressed context) is kept whole. `decode="attention"` (default): once
+`window` tokens have been generated, every row but the sinks and those newest
+tokens competes by SnapKV's score under the last `window` queries, and each
+layer is cut back to `budget` rows (the global choice gave layers unequal shares,
+which a long generation needs evenly), then again every `window` tokens, as
+SnapKV decodes. `decode="frozen"`: the compressed context is never touched and
+generated tokens slide through the newest `window` rows (a long answer then sees
+only its last `window` tokens).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .eviction import EvictingCache, EvictionOptions
 from .kvzip_choice import compress_together
 from .kvzip_plus import output_gram, plus_scores
 from .options import check_choice, check_int, check_number
+from .snapkv import pool_positions
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -121,6 +122,7 @@ class KVzipCache(EvictingCache):
         self.layer_input = None  # (x, o_proj) of the call, for KVzip+
         self.wo_gram = None  # [Hq, D, D] W_o^T W_o per query head, for KVzip+
         self.decode_queries = None  # last `window` decode queries [B, Hq, n, D]
+        self.decode_rows = None  # rows kept at each decode recompression
 
     @property
     def wants_layer_input(self) -> bool:
@@ -209,6 +211,7 @@ class KVzipCache(EvictingCache):
         if self.context_rows is not None:  # a later prompt (a question) is kept
             self.context_rows, self.context_end = self.rows, self.offset
             self.decode_queries = None  # their positions no longer end at offset
+            self.decode_rows = None  # the question stays until the next cut
             return
         if self.compressed_ends == self.phase.ends or self.zscore is None:
             return
@@ -244,24 +247,28 @@ class KVzipCache(EvictingCache):
                 else mx.concatenate([self.decode_queries, q], axis=2)
             )
             self.decode_queries = buf[:, :, -max(w, 1) :]
-        if self.rows <= self.context_rows + w:
+        if self.rows <= self._decode_limit() + w:
             return
         if not self.frozen:
-            self.evict_to(self.context_rows, self.decode_scores())
+            self.evict_to(self.options.budget, self.decode_scores())
+            self.decode_rows = self.options.budget
             return
         pos = self.positions_view()
         counts = (pos < self.context_end).sum(-1) + w
         scores = pos.astype(mx.float32)  # context and window are protected
         self.evict_to(int(counts.max().item()), scores, counts)
 
+    def _decode_limit(self) -> int:
+        return self.context_rows if self.decode_rows is None else self.decode_rows
+
     def decode_scores(self) -> mx.array:
-        """[B, Hkv, T] the largest probability a buffered decode query of the
-        GQA group gives each stored row."""
+        """[B, Hkv, T] SnapKV's score under the buffered decode queries: their
+        summed probabilities, max-pooled over 7 positions, mean over the group."""
         keys, _ = self._view()
         q = self.decode_queries
         start = self.offset - q.shape[2]
         _, probs = query_probs(q, keys, self.positions_view(), start, self.scale)
-        return probs.max(axis=(2, 3))
+        return pool_positions(probs.sum(axis=3), 7, "max").mean(axis=2)
 
     def trim(self, n):
         n = super().trim(n)
@@ -272,7 +279,7 @@ class KVzipCache(EvictingCache):
     def row_bound(self) -> int:
         if self.context_rows is None:
             return max(self.rows, self.options.budget)
-        return self.context_rows + self.options.window
+        return self._decode_limit() + self.options.window
 
     def protected_mask(self, pos):
         if self.context_rows is None:
@@ -300,9 +307,11 @@ class KVzipCache(EvictingCache):
             "context_rows": self.context_rows,
             "context_end": self.context_end,
             "compressed_ends": self.compressed_ends,
+            "decode_rows": self.decode_rows,
         }
 
     def load_extra_meta(self, m):
         self.context_rows = m.get("context_rows")
         self.context_end = m.get("context_end")
         self.compressed_ends = int(m.get("compressed_ends", -1))
+        self.decode_rows = m.get("decode_rows")

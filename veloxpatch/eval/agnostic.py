@@ -4,8 +4,9 @@ independent copy of the same compressed context, and every answer is scored.
 
 Prefills are shared as in the aware protocol (one captured dense prefill per
 context, replayed into each of our arms; one mlx-lm prefill for `unpatched` and
-`mlx.quantized`). kvzip's reconstruction scores do not depend on the budget, so
-arms that differ only in budget share one reconstruction pass.
+`mlx.quantized`). kvzip's reconstruction scores do not depend on the budget or
+on how rows are then chosen (`CHOICE`), so arms that differ only in those share
+one reconstruction pass.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from .passkey import AgnosticCase
 from .runner import answer, case_row
 from .sessions import Prefills, arm_caches
 
+# options that choose rows from the reconstruction's scores, or decode after it:
+# arms differing only in these share one reconstruction pass
+CHOICE = ("budget", "max_kv_bytes", "floor", "layerwise", "window", "decode")
+
 
 def run_agnostic_case(
     model, tokenizer, case: AgnosticCase, arms, prefill_step_size=2048, max_tokens=12
 ) -> list[dict]:
     prefills = Prefills(model, case.context, arms, prefill_step_size)
-    scores: dict = {}  # kvzip options but budget -> per layer reconstruction scores
+    scores: dict = {}  # kvzip options but CHOICE -> per layer reconstruction scores
     rows = []
     for arm in arms:
         with arm_caches(model, arm, case.context, prefills, prefill_step_size) as (
@@ -48,7 +53,7 @@ def compress(model, tokenizer, arm, caches, context, scores: dict) -> None:
     """End the context's prompt: what `Patch.prefill` does after its prefill."""
     zipped = [c for c in caches if isinstance(c, KVzipCache)]
     if zipped:
-        key = repr(sorted((k, v) for k, v in arm.options.items() if k != "budget"))
+        key = repr(sorted((k, v) for k, v in arm.options.items() if k not in CHOICE))
         if key not in scores:
             for c in zipped:
                 c.score_prompt = False
