@@ -7,7 +7,8 @@ and unpatched `mlx_lm.server` on the same embedded model, in the same run.
 
 One fresh server per arm and concurrency (so its peak RSS is that level's), a
 warm-up request, then N streamed requests at once, each with its own first line
-(no shared prefix beyond the chat template's system prompt). Per level:
+(no shared prefix beyond the chat template's system prompt), end-of-text tokens
+banned by logit bias so every answer is max_tokens long in every arm. Per level:
 aggregate tokens/s (completion tokens / wall time of the whole wave), time to
 first token, KV bytes each request's caches held when it finished and what
 mlx-lm's cache would have held (the servers' log lines), the server's peak RSS
@@ -106,12 +107,15 @@ def start(arm: str, port: int, log_path: Path) -> subprocess.Popen:
     raise RuntimeError(f"{arm}: server did not start, see {log_path}")
 
 
-def request(port: int, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat request: time to first token, completion tokens."""
+def request(port: int, prompt: str, max_tokens: int, banned=()) -> dict:
+    """One streamed chat request: time to first token, completion tokens.
+    `banned` token ids get a logit bias of -1e9 (the end-of-text tokens, so
+    every arm generates exactly max_tokens)."""
     body = json.dumps(
         {
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
+            "logit_bias": {str(t): -1e9 for t in banned},
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -145,11 +149,11 @@ def request(port: int, prompt: str, max_tokens: int) -> dict:
     }
 
 
-def wave(port: int, prompts: list[str], max_tokens: int):
+def wave(port: int, prompts: list[str], max_tokens: int, banned=()):
     results = [None] * len(prompts)
 
     def one(i):
-        results[i] = request(port, prompts[i], max_tokens)
+        results[i] = request(port, prompts[i], max_tokens, banned)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     start = time.perf_counter()
@@ -175,7 +179,7 @@ def measure(arm, n, prompts, args, port, log_path) -> dict:
     try:
         request(port, "Say hello.", 4)  # warm-up
         skip = len(KV_LINE.findall(log_path.read_text()))
-        results, wall = wave(port, prompts[:n], args.max_tokens)
+        results, wall = wave(port, prompts[:n], args.max_tokens, args.banned)
         time.sleep(0.5)  # the last log lines
         kv = KV_LINE.findall(log_path.read_text())[skip:]
         rss = peak_rss(proc.pid)
@@ -225,6 +229,7 @@ def main():
     levels = [int(x) for x in args.concurrency.split(",")]
     arms = args.arms.split(",")
     _, tokenizer = veloxpatch.load()
+    args.banned = sorted(tokenizer.eos_token_ids)  # every answer max_tokens long
     body = tokenizer.decode(prose_tokens(tokenizer, args.prompt_tokens, "evaluation"))
     prompts = [
         f"Reader {i + 1}, read this:\n{body}\nSummarize it in one sentence."

@@ -5,6 +5,7 @@ computed from the results files in scripts/results/ (see make_results_doc.py).
 from . import (
     agnostic,
     budgets,
+    continuation,
     eval_runs,
     pareto,
     peers,
@@ -22,8 +23,10 @@ SECTIONS = [
     agnostic.passkey_agnostic,
     reuse.kvzip_plus,
     reuse.ppl_agnostic,
+    continuation.kvzip_decode,
     reuse.second_text,
     pareto.pareto,
+    continuation.equal_bytes,
     agnostic.compress_cost,
     serving.serve_bench,
     eval_runs.passkey_all,

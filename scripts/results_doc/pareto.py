@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from results_markdown import LINK, load, short, table
 
-PASSKEY = ("passkey_agnostic", "passkey_agnostic_kvzip")
-KL_FILE = "ppl_agnostic"
+PASSKEY = ("passkey_agnostic", "passkey_agnostic_kvzip", "passkey_agnostic_bytes")
+# later files replace an arm of earlier ones (kvzip:budget=256 decodes since 4257d75)
+KL_FILES = ("ppl_agnostic", "ppl_agnostic_decode", "ppl_agnostic_bytes")
 FRACTIONS = (0.05, 0.10, 0.17, 0.25, 0.50)  # of the full cache's bytes
 PLOT = "pareto_agnostic.svg"
 
@@ -21,7 +22,7 @@ def points(metric: str) -> tuple[list[dict], float]:
     replace an arm of earlier ones); kl: KL(full || arm) of the continuation.
     mlx.rotating's buffer holds the whole prompt until its first decode step:
     it is placed at its steady size, as the continuation run measures it."""
-    kl = {t["arm"]: t for t in load(KL_FILE)["continuation"]["table"]}
+    kl = {t["arm"]: t for name in KL_FILES for t in load(name)["continuation"]["table"]}
     full_mb = kl["full"]["kv_mb"]
     if metric == "kl":
         rows = {a: (t["kv_mb"], t["kl"]) for a, t in kl.items() if a != "full"}
@@ -78,8 +79,9 @@ def pareto() -> list[str]:
         "Every arm of the agnostic runs on evaluation prose (~1,500-token "
         "contexts): passkey answers from "
         + ", ".join(f"[`{n}.json`]({LINK}/{n}.json)" for n in PASSKEY)
-        + f" and KL(full ‖ arm) of a 256-token continuation from [`{KL_FILE}.json`]"
-        f"({LINK}/{KL_FILE}.json), against the KV bytes held after the context "
+        + " and KL(full ‖ arm) of a 256-token continuation from "
+        + ", ".join(f"[`{n}.json`]({LINK}/{n}.json)" for n in KL_FILES)
+        + ", against the KV bytes held after the context "
         "is compressed (mlx.rotating at its steady size: its buffer holds the "
         "whole prompt until its first decode step). The best configuration that "
         "fits each memory point, ours and mlx-lm's; a point on a side's frontier "
