@@ -328,3 +328,16 @@ def test_frozen_decode_keeps_the_context_and_short_answers_agree():
     # an answer within the window never triggers a recompression: same tokens
     assert got["attention"][0] == got["frozen"][0]
     assert max_abs(got["attention"][1], got["frozen"][1]) == 0
+
+
+def test_recent_context_rows_are_kept_in_every_head():
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids = prompt_tokens(40).tolist()
+    with veloxpatch.patched(model, "kvzip", budget=10, sinks=2, recent=5) as patch:
+        caches = patch.prefill(ids, tokenizer=TOK)
+    for c in caches:
+        pos = np.array(c.positions_view())
+        for head in pos.reshape(-1, pos.shape[-1]):
+            assert set(range(35, 40)) | {0, 1} <= set(head.tolist())
+    with pytest.raises(OptionError, match="protected"):
+        veloxpatch.apply(model, "kvzip", budget=6, sinks=2, recent=4)

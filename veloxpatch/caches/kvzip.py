@@ -61,9 +61,11 @@ class KVzipOptions(EvictionOptions):
     one for the model. `plus`: KVzip+ (Jegou et al. 2026, KVzap), each
     probability times ||W_o v|| of its query head over ||x|| of the repeat
     query's attention input: what the pair adds to the residual stream.
-    `decode`: "attention" or "frozen", what generated tokens do (see above)."""
+    `decode`: "attention" or "frozen", what generated tokens do (see above).
+    `recent`: the context's newest rows every head keeps, like the sinks."""
 
     floor: float = 0.1
+    recent: int = 0
     window: int = 32
     chunk: int = 2048
     layerwise: bool = False
@@ -73,9 +75,13 @@ class KVzipOptions(EvictionOptions):
     def decode_extra_rows(self):
         return self.window  # generated rows held on top of the compressed ones
 
+    def recent_rows(self):
+        return self.recent
+
     def __post_init__(self):
         check_number("floor", self.floor, 0, 1)
         check_int("window", self.window, 0)
+        check_int("recent", self.recent, 0)
         check_choice("decode", self.decode, ("attention", "frozen"))
         check_int("chunk", self.chunk, OVERLAP + 1)
         if self.head_budget != "uniform":

@@ -13,7 +13,8 @@ import numpy as np
 
 def compress_together(caches: list) -> None:
     """One threshold over every (layer, KV head, position) of kvzip `caches` (or one
-    per layer with `layerwise`), sinks and each head's best `floor` x budget rows
+    per layer with `layerwise`), sinks, the `recent` newest rows and each head's
+    best `floor` x budget rows
     kept first. Heads are stored padded to their layer's largest, so a head
     below it fills the padding with its next best rows: each layer keeps the
     rows its largest head needs, in every head, and the budget counts rows held:
@@ -24,6 +25,8 @@ def compress_together(caches: list) -> None:
         s = c.shards.all_heads(c.zscore[..., : c.rows])  # [B, H, T] every head
         pos = c.shards.all_heads(c.positions_view())
         s = mx.where(pos < o.sinks, mx.inf, s)
+        if o.recent:  # the context's newest rows, where a continuation starts
+            s = mx.where(pos >= c.offset - o.recent, mx.inf, s)
         floor = min(s.shape[-1], math.ceil(o.floor * o.budget))
         if floor:
             kth = mx.sort(s, axis=-1)[..., -floor][..., None]
