@@ -35,6 +35,12 @@ def query_probs(q, keys, pos, qstart: int, scale):
     return logits, mx.softmax(logits, axis=-1)
 
 
+def newest_queries(buffer, q: mx.array, n: int) -> mx.array:
+    """The last `n` queries of `buffer` (or None) followed by q, along axis 2."""
+    buf = q if buffer is None else mx.concatenate([buffer, q], axis=2)
+    return buf[:, :, -n:] if buf.shape[2] > n else buf
+
+
 class ProbabilityCache(EvictingCache):
     """An evicting cache that hands the attention of real queries to `observe`."""
 

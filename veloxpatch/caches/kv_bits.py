@@ -28,7 +28,7 @@ import functools
 
 import mlx.core as mx
 
-from .attention_probs import query_probs
+from .attention_probs import newest_queries, query_probs
 from .kv_options import (  # noqa: F401  (the names callers import from here)
     ADAPTIVE_WIDTHS,
     BITS,
@@ -210,8 +210,7 @@ class QuantizedKV:
     def after_attend(self, q, new_rows):
         super().after_attend(q, new_rows)  # the algorithm evicts first
         if self._adaptive and self.store is None:
-            w = q if self.window_q is None else mx.concatenate([self.window_q, q], 2)
-            self.window_q = w[:, :, -ENTROPY_WINDOW:]
+            self.window_q = newest_queries(self.window_q, q, ENTROPY_WINDOW)
         self._settle()
 
     def end_prompt(self):

@@ -39,13 +39,13 @@ import dataclasses
 import mlx.core as mx
 
 from ..errors import OptionError
-from .attention_probs import query_probs
+from .attention_probs import newest_queries, query_probs
 from .base import PAD_POSITION
 from .eviction import EvictingCache, EvictionOptions
 from .kvzip_choice import compress_together
 from .kvzip_plus import output_gram, plus_scores
 from .options import check_choice, check_int, check_number
-from .snapkv import pool_positions
+from .snapkv import SnapKVOptions, window_score
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -247,12 +247,7 @@ class KVzipCache(EvictingCache):
             return
         w = self.options.window
         if not self.frozen:  # the newest queries (at least this call's) score rows
-            buf = (
-                q
-                if self.decode_queries is None
-                else mx.concatenate([self.decode_queries, q], axis=2)
-            )
-            self.decode_queries = buf[:, :, -max(w, 1) :]
+            self.decode_queries = newest_queries(self.decode_queries, q, max(w, 1))
         if self.rows <= self._decode_limit() + w:
             return
         if not self.frozen:
@@ -274,7 +269,7 @@ class KVzipCache(EvictingCache):
         q = self.decode_queries
         start = self.offset - q.shape[2]
         _, probs = query_probs(q, keys, self.positions_view(), start, self.scale)
-        return pool_positions(probs.sum(axis=3), 7, "max").mean(axis=2)
+        return window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
 
     def trim(self, n):
         n = super().trim(n)

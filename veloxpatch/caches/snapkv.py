@@ -22,7 +22,7 @@ import dataclasses
 import mlx.core as mx
 
 from ..errors import OptionError
-from .attention_probs import query_probs
+from .attention_probs import newest_queries, query_probs
 from .eviction import EvictingCache, EvictionOptions
 from .options import check_choice, check_int, check_number
 
@@ -84,6 +84,12 @@ def pool_positions(scores: mx.array, kernel: int, kind: str) -> mx.array:
     return sum(shifted[1:], shifted[0]) / kernel
 
 
+def window_score(probs: mx.array, kernel: int, pool: str) -> mx.array:
+    """SnapKV's score [B, Hkv, T] from the probabilities [B, Hkv, G, n, T] of n
+    window queries: summed over them, pooled over positions, mean over the group."""
+    return pool_positions(probs.sum(axis=3), kernel, pool).mean(axis=2)
+
+
 class SnapKVCache(EvictingCache):
     name = "snapkv"
     batchable = True  # one cache per sequence (caches/batch.py)
@@ -106,12 +112,7 @@ class SnapKVCache(EvictingCache):
     def after_attend(self, q, new_rows):
         w = self.options.window
         n = w + self.options.lookahead
-        buf = (
-            q
-            if self.window_queries is None
-            else mx.concatenate([self.window_queries, q], axis=2)
-        )
-        self.window_queries = buf[:, :, -n:] if buf.shape[2] > n else buf
+        self.window_queries = newest_queries(self.window_queries, q, n)
         if new_rows != 1 or self.in_prompt:
             return
         if self.lookahead_left:
@@ -182,9 +183,7 @@ class SnapKVCache(EvictingCache):
         weights = self.query_weights(probs.shape[3])
         if weights is not None:
             probs = probs * weights[:, None]
-        summed = probs.sum(axis=3)  # [B, Hkv, G, T]
-        pooled = pool_positions(summed, self.options.kernel, self.options.pool)
-        return pooled.mean(axis=2)
+        return window_score(probs, self.options.kernel, self.options.pool)
 
     def compress(self) -> None:
         n_keep = self.row_budget()

@@ -83,8 +83,13 @@ def perplexity(logprobs: mx.array, continuation) -> float:
 
 def agreement_and_kl(logprobs: mx.array, reference: mx.array) -> tuple[float, float]:
     """Top-1 agreement with the reference's greedy tokens and mean KL(ref || arm)."""
-    agree = (mx.argmax(logprobs, -1) == mx.argmax(reference, -1)).mean().item()
-    return agree, position_kl(logprobs, reference).mean().item()
+    return agreement(logprobs, reference), position_kl(
+        logprobs, reference
+    ).mean().item()
+
+
+def agreement(logprobs: mx.array, reference: mx.array) -> float:
+    return (mx.argmax(logprobs, -1) == mx.argmax(reference, -1)).mean().item()
 
 
 def position_kl(logprobs: mx.array, reference: mx.array) -> mx.array:
@@ -92,11 +97,10 @@ def position_kl(logprobs: mx.array, reference: mx.array) -> mx.array:
     return (mx.exp(reference) * (reference - logprobs)).sum(-1)
 
 
-def kl_profile(logprobs: mx.array, reference: mx.array) -> dict[str, float]:
-    """Mean KL over positions [0, 8), [8, 32), [32, 64), [64, 128), ... : how
-    the loss moves as generation goes on (early: the compressed context alone;
-    later: what decode-time eviction kept)."""
-    kl = position_kl(logprobs, reference)
+def kl_profile(kl: mx.array) -> dict[str, float]:
+    """Mean of the per-position KL [T] over positions [0, 8), [8, 32), [32, 64),
+    [64, 128), ... : how the loss moves as generation goes on (early: the
+    compressed context alone; later: what decode-time eviction kept)."""
     edges = [0, 8, 32]
     while edges[-1] < kl.shape[0]:
         edges.append(edges[-1] * 2)
@@ -146,7 +150,7 @@ def evaluate_continuation(
             lp, kv = arm_logprobs(
                 model, arm, context, continuation, prefill_step_size, prefills, agnostic
             )
-        agree, kl = agreement_and_kl(lp, reference)
+        kl_at = position_kl(lp, reference)
         results.append(
             ContinuationResult(
                 arm.label,
@@ -156,11 +160,11 @@ def evaluate_continuation(
                 len(continuation),
                 prefill_step_size,
                 perplexity(lp, continuation),
-                agree,
-                kl,
+                agreement(lp, reference),
+                kl_at.mean().item(),
                 kv,
                 prefills.single,
-                kl_profile(lp, reference),
+                kl_profile(kl_at),
             )
         )
     return results
