@@ -15,8 +15,11 @@ Without that pass (a prompt ended inside mlx-lm's generate: the patch never sees
 token ids), the same maximum is taken over the prompt's own queries.
 
 At the prompt end the kept set is chosen globally over every (layer, KV head,
-position) of the prompt cache: sinks always, each head's best `floor` x budget
-pairs, then one threshold over the whole model (`layerwise=True`: per layer).
+position) of the prompt cache: sinks and the context's `recent` newest rows
+always, each head's best `floor` x budget pairs, then one threshold over the
+whole model (`layerwise=True`: per layer). The defaults (floor 0.5, recent a
+quarter of the budget) were measured: a continuation reads the context's last
+tokens in every layer, which the reconstruction's scores alone leave to few.
 Heads are stored padded to the layer's largest, so every head of a layer keeps
 as many rows as its largest head needs (its next best fill what would be
 padding), and the threshold is the lowest whose layers hold at most budget x
@@ -40,16 +43,16 @@ import mlx.core as mx
 
 from ..errors import OptionError
 from .attention_probs import newest_queries, query_probs
-from .base import PAD_POSITION
 from .eviction import EvictingCache, EvictionOptions
 from .kvzip_choice import compress_together
+from .kvzip_decode import KVzipDecode
 from .kvzip_plus import output_gram, plus_scores
 from .options import check_choice, check_int, check_number
-from .snapkv import SnapKVOptions, window_score
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # tokens of the previous chunk a later chunk starts from
+RECENT = 64  # most context rows `recent` keeps by default
 
 
 @dataclasses.dataclass
@@ -62,10 +65,13 @@ class KVzipOptions(EvictionOptions):
     probability times ||W_o v|| of its query head over ||x|| of the repeat
     query's attention input: what the pair adds to the residual stream.
     `decode`: "attention" or "frozen", what generated tokens do (see above).
-    `recent`: the context's newest rows every head keeps, like the sinks."""
+    `recent`: the context's newest rows every head keeps, like the sinks, where
+    a continuation starts (default: a quarter of the budget, at most 64).
+    `tail`: the context's last `tail` queries also score (max with KVzip's)."""
 
-    floor: float = 0.1
-    recent: int = 0
+    floor: float = 0.5
+    recent: int | None = None
+    tail: int = 0
     window: int = 32
     chunk: int = 2048
     layerwise: bool = False
@@ -81,7 +87,13 @@ class KVzipOptions(EvictionOptions):
     def __post_init__(self):
         check_number("floor", self.floor, 0, 1)
         check_int("window", self.window, 0)
+        if self.recent is None:  # (a tiny budget keeps room beyond its sinks)
+            check_int("budget", self.budget, 1)
+            check_int("sinks", self.sinks, 0)
+            room = self.budget - self.sinks - 1
+            self.recent = max(0, min(RECENT, self.budget // 4, room))
         check_int("recent", self.recent, 0)
+        check_int("tail", self.tail, 0)
         check_choice("decode", self.decode, ("attention", "frozen"))
         check_int("chunk", self.chunk, OVERLAP + 1)
         if self.head_budget != "uniform":
@@ -106,7 +118,7 @@ class KVzipOptions(EvictionOptions):
         return super().bind(model, dims)
 
 
-class KVzipCache(EvictingCache):
+class KVzipCache(KVzipDecode, EvictingCache):
     name = "kvzip"
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "attention each pair gets while the model repeats the context; global"
@@ -129,6 +141,7 @@ class KVzipCache(EvictingCache):
         self.wo_gram = None  # [Hq, D, D] W_o^T W_o per query head, for KVzip+
         self.decode_queries = None  # last `window` decode queries [B, Hq, n, D]
         self.decode_rows = None  # rows kept at each decode recompression
+        self.tail_queries = None  # the context's last `tail` queries [B, Hq, n, D]
 
     @property
     def wants_layer_input(self) -> bool:
@@ -141,10 +154,26 @@ class KVzipCache(EvictingCache):
         out = super().attention(q, keys, values, mask, scale)
         if self.repeat is not None:  # quantized rows: the kernel, then scores
             self._score_repeat(q, keys, values, scale)
-        elif self.in_prompt and self.score_prompt and self.context_rows is None:
-            _, probs = query_probs(q, keys, self.positions_view(), self.offset, scale)
-            self._raise_scores(probs.max(axis=(2, 3)), 0)
+        elif self.in_prompt and self.context_rows is None:
+            if self.score_prompt:
+                pos = self.positions_view()
+                _, probs = query_probs(q, keys, pos, self.offset, scale)
+                self._raise_scores(probs.max(axis=(2, 3)), 0)
+            if self.options.tail:
+                n = self.options.tail
+                self.tail_queries = newest_queries(self.tail_queries, q, n)
         return out
+
+    def raise_tail_scores(self) -> None:
+        """Raise the scores by the attention of the context's last `tail`
+        queries (max over them and the group): what a continuation reads."""
+        q, self.tail_queries = self.tail_queries, None
+        if q is None or self.zscore is None:
+            return
+        keys, _ = self._view()
+        start = self.offset - q.shape[2]
+        _, probs = query_probs(q, keys, self.positions_view(), start, self.scale)
+        self._raise_scores(probs.max(axis=(2, 3)), 0)
 
     def _subset(self, T: int, L: int) -> list[tuple[int, int]]:
         """Row ranges of KVzip's softmax for a repeat of L rows after T - L:
@@ -237,71 +266,23 @@ class KVzipCache(EvictingCache):
         self.compressed_ends = self.phase.ends
         self.zscore = None
 
-    # ---- decode: the compressed size plus `window` generated rows ----------------
-    @property
-    def frozen(self) -> bool:
-        return self.options.decode == "frozen"
-
-    def after_attend(self, q, new_rows):
-        if self.context_rows is None or self.in_prompt:
-            return
-        w = self.options.window
-        if not self.frozen:  # the newest queries (at least this call's) score rows
-            self.decode_queries = newest_queries(self.decode_queries, q, max(w, 1))
-        if self.rows <= self._decode_limit() + w:
-            return
-        if not self.frozen:
-            self.evict_to(self.options.budget, self.decode_scores())
-            self.decode_rows = self.options.budget
-            return
-        pos = self.positions_view()
-        counts = (pos < self.context_end).sum(-1) + w
-        scores = pos.astype(mx.float32)  # context and window are protected
-        self.evict_to(int(counts.max().item()), scores, counts)
-
-    def _decode_limit(self) -> int:
-        return self.context_rows if self.decode_rows is None else self.decode_rows
-
-    def decode_scores(self) -> mx.array:
-        """[B, Hkv, T] SnapKV's score under the buffered decode queries: their
-        summed probabilities, max-pooled over 7 positions, mean over the group."""
-        keys, _ = self._view()
-        q = self.decode_queries
-        start = self.offset - q.shape[2]
-        _, probs = query_probs(q, keys, self.positions_view(), start, self.scale)
-        return window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
-
-    def trim(self, n):
-        n = super().trim(n)
-        if n:
-            self.decode_queries = None  # they may include trimmed tokens
-        return n
-
-    def row_bound(self) -> int:
-        if self.context_rows is None:
-            return max(self.rows, self.options.budget)
-        return self._decode_limit() + self.options.window
-
-    def protected_mask(self, pos):
-        if self.context_rows is None:
-            return super().protected_mask(pos)
-        # after compression: the sinks (or the whole kept context, frozen) and
-        # the newest window rows stay
-        recent = (pos >= self.offset - self.options.window) & (pos != PAD_POSITION)
-        kept = (pos < self.context_end) if self.frozen else (pos < self.options.sinks)
-        return kept | recent
-
     def side_arrays(self):
-        side = [a for a in (self.zscore, self.decode_queries) if a is not None]
+        held = (self.zscore, self.decode_queries, self.tail_queries)
+        side = [a for a in held if a is not None]
         return super().side_arrays() + side
 
     def extra_state(self):
-        named = {"zscore": self.zscore, "decode_queries": self.decode_queries}
+        named = {
+            "zscore": self.zscore,
+            "decode_queries": self.decode_queries,
+            "tail_queries": self.tail_queries,
+        }
         return {k: v for k, v in named.items() if v is not None}
 
     def load_extra_state(self, st):
         self.zscore = st.get("zscore")
         self.decode_queries = st.get("decode_queries")
+        self.tail_queries = st.get("tail_queries")
 
     def extra_meta(self):
         return {

@@ -20,6 +20,8 @@ def compress_together(caches: list) -> None:
     rows its largest head needs, in every head, and the budget counts rows held:
     the lowest threshold whose layers hold at most budget x layers x KV heads."""
     o = caches[0].options
+    for c in caches:
+        c.raise_tail_scores()
     scores = []
     for c in caches:
         s = c.shards.all_heads(c.zscore[..., : c.rows])  # [B, H, T] every head

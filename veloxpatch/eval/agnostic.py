@@ -23,7 +23,16 @@ from .sessions import Prefills, arm_caches
 
 # options that choose rows from the reconstruction's scores, or decode after it:
 # arms differing only in these share one reconstruction pass
-CHOICE = ("budget", "max_kv_bytes", "floor", "recent", "layerwise", "window", "decode")
+CHOICE = (
+    "budget",
+    "max_kv_bytes",
+    "floor",
+    "recent",
+    "tail",
+    "layerwise",
+    "window",
+    "decode",
+)
 
 
 def run_agnostic_case(
