@@ -341,3 +341,32 @@ def test_recent_context_rows_are_kept_in_every_head():
             assert set(range(35, 40)) | {0, 1} <= set(head.tolist())
     with pytest.raises(OptionError, match="protected"):
         veloxpatch.apply(model, "kvzip", budget=6, sinks=2, recent=4)
+
+
+def test_tail_queries_raise_scores_by_their_attention():
+    """`tail=n`: the context's last n queries (buffered during its prefill, not
+    the repeat's) raise each row's score to their largest probability over
+    the queries and the GQA group, a numpy softmax for reference."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = prompt_tokens(30).tolist()
+    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, tail=4) as patch:
+        caches = patch.make_cache()
+        model(mx.array(ids)[None], cache=caches)  # the prompt is not ended
+        for c in caches:
+            q = np.array(c.tail_queries, dtype=np.float64)  # [1, Hq, 4, D]
+            assert q.shape[2] == 4
+            keys = np.array(c._view()[0], dtype=np.float64)[0]  # [Hkv, T, D]
+            Hkv, T = keys.shape[:2]
+            G = q.shape[1] // Hkv
+            logits = (
+                np.einsum("hgnd,htd->hgnt", q[0].reshape(Hkv, G, 4, -1), keys) * c.scale
+            )
+            qpos = np.arange(T - 4, T)
+            logits = np.where(np.arange(T) <= qpos[:, None], logits, -np.inf)
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            want = p.max(axis=(1, 2))  # [Hkv, T]
+            c.zscore = mx.zeros((1, Hkv, T))
+            c.raise_tail_scores()
+            assert c.tail_queries is None  # used once, then dropped
+            np.testing.assert_allclose(np.array(c.zscore[0]), want, atol=1e-5)
