@@ -17,9 +17,10 @@ token ids), the same maximum is taken over the prompt's own queries.
 At the prompt end the kept set is chosen globally over every (layer, KV head,
 position) of the prompt cache: sinks and the context's `recent` newest rows
 always, each head's best `floor` x budget pairs, then one threshold over the
-whole model (`layerwise=True`: per layer). The defaults (floor 0.5, recent a
-quarter of the budget) were measured: a continuation reads the context's last
-tokens in every layer, which the reconstruction's scores alone leave to few.
+whole model (`layerwise=True`: per layer). A pair's score is also raised to its
+probability under the context's last `tail` queries: a continuation reads what
+they read, which the reconstruction's scores leave to few heads. The defaults
+(floor 0.5, tail 32, recent 0) were measured (docs/results.md).
 Heads are stored padded to the layer's largest, so every head of a layer keeps
 as many rows as its largest head needs (its next best fill what would be
 padding), and the threshold is the lowest whose layers hold at most budget x
@@ -52,7 +53,6 @@ from .options import check_choice, check_int, check_number
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # tokens of the previous chunk a later chunk starts from
-RECENT = 64  # most context rows `recent` keeps by default
 
 
 @dataclasses.dataclass
@@ -65,13 +65,13 @@ class KVzipOptions(EvictionOptions):
     probability times ||W_o v|| of its query head over ||x|| of the repeat
     query's attention input: what the pair adds to the residual stream.
     `decode`: "attention" or "frozen", what generated tokens do (see above).
-    `recent`: the context's newest rows every head keeps, like the sinks, where
-    a continuation starts (default: a quarter of the budget, at most 64).
-    `tail`: the context's last `tail` queries also score (max with KVzip's)."""
+    `recent`: the context's newest rows every head keeps, like the sinks.
+    `tail`: the context's last `tail` queries also score (the maximum of their
+    probability and KVzip's): what a continuation of the context reads."""
 
     floor: float = 0.5
-    recent: int | None = None
-    tail: int = 0
+    recent: int = 0
+    tail: int = 32
     window: int = 32
     chunk: int = 2048
     layerwise: bool = False
@@ -87,11 +87,6 @@ class KVzipOptions(EvictionOptions):
     def __post_init__(self):
         check_number("floor", self.floor, 0, 1)
         check_int("window", self.window, 0)
-        if self.recent is None:  # (a tiny budget keeps room beyond its sinks)
-            check_int("budget", self.budget, 1)
-            check_int("sinks", self.sinks, 0)
-            room = self.budget - self.sinks - 1
-            self.recent = max(0, min(RECENT, self.budget // 4, room))
         check_int("recent", self.recent, 0)
         check_int("tail", self.tail, 0)
         check_choice("decode", self.decode, ("attention", "frozen"))
