@@ -6,9 +6,19 @@ from __future__ import annotations
 
 from results_markdown import LINK, load, short, table
 
-PASSKEY = ("passkey_agnostic", "passkey_agnostic_kvzip", "passkey_agnostic_bytes")
+PASSKEY = (
+    "passkey_agnostic",
+    "passkey_agnostic_kvzip",
+    "passkey_kvzip_choice_tail",
+    "passkey_agnostic_bytes",
+)
 # later files replace an arm of earlier ones (kvzip:budget=256 decodes since 4257d75)
-KL_FILES = ("ppl_agnostic", "ppl_agnostic_decode", "ppl_agnostic_bytes")
+KL_FILES = (
+    "ppl_agnostic",
+    "ppl_agnostic_decode",
+    "ppl_kvzip_choice_tail",
+    "ppl_agnostic_bytes",
+)
 FRACTIONS = (0.05, 0.10, 0.17, 0.25, 0.50)  # of the full cache's bytes
 PLOT = "pareto_agnostic.svg"
 
