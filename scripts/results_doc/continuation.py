@@ -132,7 +132,11 @@ def equal_bytes() -> list[str]:
         "the bound on what is held while decoding (holes not yet compacted and "
         "the decode window included), so the bytes held are below the limit. "
         "Passkey: the same 10 contexts x 2 questions as the agnostic passkey run "
-        "above (seed 0), whose `mlx.quantized:kv_bits=4` row is shown.",
+        "above (seed 0), whose `mlx.quantized:kv_bits=4` row is shown. The "
+        f"passkey run is at commit `{pk_res['run']['git_commit']}` (kvzip's "
+        "current defaults, see the section on kvzip's floor, recent rows and "
+        "tail queries); the KL run at "
+        f"`{kl_res['run']['git_commit']}` (its old ones).",
         "",
         meta("passkey_agnostic_bytes", pk_res),
         "",
