@@ -367,6 +367,7 @@ def test_tail_queries_raise_scores_by_their_attention():
             p /= p.sum(-1, keepdims=True)
             want = p.max(axis=(1, 2))  # [Hkv, T]
             c.zscore = mx.zeros((1, Hkv, T))
+            c.score_prompt = False  # as after the reconstruction pass
             c.raise_tail_scores()
             assert c.tail_queries is None  # used once, then dropped
             np.testing.assert_allclose(np.array(c.zscore[0]), want, atol=1e-5)

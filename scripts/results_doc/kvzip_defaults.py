@@ -31,7 +31,7 @@ def _merged(names, part) -> dict:
     return out
 
 
-def _runs(names, part) -> list[str]:
+def _runs(names) -> list[str]:
     lines = []
     for name in names:
         res = load(name)
@@ -85,19 +85,19 @@ def kvzip_defaults() -> list[str]:
         "",
         *profile_rows(list(lic.values())),
         "",
-        *_runs(KL_LICENSES, "continuation"),
+        *_runs(KL_LICENSES),
         "Evaluation prose (the old defaults' row is `ppl_agnostic_decode`'s, "
         "same stretches):",
         "",
         *profile_rows([*ev.values(), old_e]),
         "",
-        *_runs(KL_EVALUATION, "continuation"),
+        *_runs(KL_EVALUATION),
         "Agnostic passkey, the same 10 contexts x 2 questions as above (seed 0); "
         "the `kvzip` rows are the old defaults, from `passkey_agnostic_kvzip.json`:",
         "",
         *grid(pk_rows, wilson),
         "",
-        *_runs(PASSKEY, "passkey"),
+        *_runs(PASSKEY),
         f"- Continuation KL at 256 rows, new defaults: {z_e['kl']:.4f} on the "
         f"evaluation prose, **{_verdict(z_e['kl'], snap_e['kl'])}** `snapkv`'s "
         f"{snap_e['kl']:.4f} (old defaults {old_e['kl']:.4f}); {z_l['kl']:.3f} on "

@@ -161,9 +161,10 @@ class KVzipCache(KVzipDecode, EvictingCache):
 
     def raise_tail_scores(self) -> None:
         """Raise the scores by the attention of the context's last `tail`
-        queries (max over them and the group): what a continuation reads."""
+        queries (max over them and the group): what a continuation reads.
+        Scores from the prompt's own queries already include theirs."""
         q, self.tail_queries = self.tail_queries, None
-        if q is None or self.zscore is None:
+        if q is None or self.zscore is None or self.score_prompt:
             return
         keys, _ = self._view()
         start = self.offset - q.shape[2]

@@ -14,10 +14,11 @@ import numpy as np
 def compress_together(caches: list) -> None:
     """One threshold over every (layer, KV head, position) of kvzip `caches` (or one
     per layer with `layerwise`), sinks, the `recent` newest rows and each head's
-    best `floor` x budget rows
-    kept first. Heads are stored padded to their layer's largest, so a head
-    below it fills the padding with its next best rows: each layer keeps the
-    rows its largest head needs, in every head, and the budget counts rows held:
+    best `floor` x budget rows kept first (scores first raised by the `tail`
+    queries, `KVzipCache.raise_tail_scores`). Heads are stored padded to their
+    layer's largest, so a head below it fills the padding with its next best
+    rows: each layer keeps the rows its largest head needs, in every head, and
+    the budget counts rows held:
     the lowest threshold whose layers hold at most budget x layers x KV heads."""
     o = caches[0].options
     for c in caches:

@@ -83,9 +83,8 @@ def perplexity(logprobs: mx.array, continuation) -> float:
 
 def agreement_and_kl(logprobs: mx.array, reference: mx.array) -> tuple[float, float]:
     """Top-1 agreement with the reference's greedy tokens and mean KL(ref || arm)."""
-    return agreement(logprobs, reference), position_kl(
-        logprobs, reference
-    ).mean().item()
+    kl = position_kl(logprobs, reference).mean().item()
+    return agreement(logprobs, reference), kl
 
 
 def agreement(logprobs: mx.array, reference: mx.array) -> float:
