@@ -5,6 +5,7 @@ computed from the results files in scripts/results/ (see make_results_doc.py).
 from . import (
     agnostic,
     budgets,
+    chat,
     continuation,
     eval_runs,
     kvzip_defaults,
@@ -31,6 +32,7 @@ SECTIONS = [
     continuation.equal_bytes,
     agnostic.compress_cost,
     serving.serve_bench,
+    chat.chat_bench,
     eval_runs.passkey_all,
     agnostic.passkey_aware_new,
     eval_runs.quantized_ppl,

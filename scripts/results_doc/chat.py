@@ -1,0 +1,162 @@
+"""The chat benchmark (scripts/bench_chat.py): multi-turn conversations and
+users sharing a document, through the server with mlx-lm's prompt cache on.
+No section until scripts/results/bench_chat.json exists."""
+
+from __future__ import annotations
+
+import results_markdown as rm
+from results_markdown import load, meta, table
+
+NAME = "bench_chat"
+
+
+def _ci(p: dict) -> str:
+    if not p["cases"]:
+        return "-"
+    lo, hi = p["wilson95"]
+    return f"{p['correct']}/{p['cases']} [{lo:.2f}, {hi:.2f}]"
+
+
+def _mb(v) -> str:
+    return "-" if v is None else f"{v / 1e6:.1f}"
+
+
+def _prompt_cache(r: dict) -> str:
+    """veloxpatch serve logs the prompt cache's bytes; mlx-lm's server only in
+    hundredths of a GB (marked ~)."""
+    if r.get("prompt_cache_bytes_max") is not None:
+        return _mb(r["prompt_cache_bytes_max"])
+    if r.get("prompt_cache_gb_max") is not None:
+        return f"~{r['prompt_cache_gb_max'] * 1000:.0f}"
+    return "-"
+
+
+def _s(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _tokens(r: dict) -> str:
+    cached, prompt = r["cached_tokens_turn2_median"], r["prompt_tokens_turn2_median"]
+    if cached is None:
+        return "-"
+    return f"{cached:,.0f} of {prompt:,.0f}"
+
+
+def chat_bench() -> list[str]:
+    if not (rm.RESULTS / f"{NAME}.json").exists():
+        return []  # not run yet
+    res = load(NAME)
+    cfg, rows = res["config"], res["table"]
+    ok = [r for r in rows if "error" not in r]
+    body = []
+    for r in rows:
+        if "error" in r:
+            why = r["error"].splitlines()[0].replace("|", "/")
+            body.append([f"`{r['arm']}`", f"failed: {why}"] + [""] * 8)
+            continue
+        body.append(
+            [
+                f"`{r['arm']}`",
+                _ci(r["needle_second_turn2_code"]),
+                _ci(r["needle_first_turn1_code"]),
+                _mb(r["kv_bytes_per_conversation"]),
+                _mb(r["full_kv_bytes_per_conversation"]),
+                _prompt_cache(r),
+                _s(r["ttft_turn1_s_median"]),
+                _s(r["ttft_turn2_s_median"]),
+                _tokens(r),
+                f"{r['cross_user_same']}/{r['pairs']}",
+            ]
+        )
+    depths = sorted({d for r in ok for d in r["needle_second_by_depth"]}, key=float)
+    by_depth = [
+        [f"`{r['arm']}`"]
+        + [
+            _count(r["needle_second_by_depth"][d])
+            if d in r["needle_second_by_depth"]
+            else ""
+            for d in depths
+        ]
+        for r in ok
+    ]
+    notes = []
+    for r in ok:
+        extra = []
+        if r["turn2_reused_turn1"] < r["conversations"]:
+            extra.append(
+                f"turn 2 reused all of turn 1 from the prompt cache in "
+                f"{r['turn2_reused_turn1']} of {r['conversations']} conversations"
+            )
+        if r["needle_second_key_in_summary"]:
+            k = r["needle_second_turn2_code_key_not_in_summary"]
+            extra.append(
+                f"{r['needle_second_key_in_summary']} summaries gave the number "
+                f"away (turn 2 without them: {_ci(k)})"
+            )
+        if r["summary_same"] < r["pairs"]:
+            extra.append(
+                f"the summary differed by order for "
+                f"{r['pairs'] - r['summary_same']} of {r['pairs']} documents"
+            )
+        if extra:
+            notes.append(f"`{r['arm']}`: " + "; ".join(extra))
+    return [
+        "## Chat: conversations and users sharing a document, through the server",
+        "",
+        f"{cfg['conversations']} documents of ~{cfg['context_tokens']:,} tokens of "
+        f"`{cfg['text']}` prose, each with a five-digit secret number at a depth "
+        f"cycling through {', '.join(map(str, cfg['depths']))}, sent to the "
+        "server as OpenAI chat messages (no system message, greedy, streamed) "
+        "with mlx-lm's prompt cache on, a fresh server per arm and order. "
+        "*Needle second*: turn 1 asks for a one-sentence summary, its reply goes "
+        "back as the assistant message, turn 2 asks for the number. *Needle "
+        "first*: turn 1 asks for the number (a cold request), turn 2 for the "
+        "summary. A number counts when its digits appear in the reply. KV MB is "
+        "what a conversation's caches held after turn 2 and full KV MB what "
+        "mlx-lm's cache would have held (the servers' log lines); prompt cache "
+        "MB the most the "
+        "prompt cache held when a request arrived (~: mlx-lm's log, in hundredths "
+        "of a GB); TTFT and cached tokens are medians over both orders. "
+        f"*Cross-user*: for the first {_documents(cfg['cross_user'])} two users "
+        "send the document with one question each as fresh single-turn "
+        "requests, in both orders (a fresh server per order); the column counts "
+        "documents whose answer to the number was identical either way. A "
+        "server that hands one user's question-specific compression to another "
+        "(a prompt-cache entry trimmed back to the shared document) fails it.",
+        "",
+        meta(NAME, res),
+        "",
+        *table(
+            [
+                "arm",
+                "needle second: number at turn 2",
+                "needle first: number at turn 1",
+                "KV MB/conversation",
+                "full KV MB",
+                "prompt cache MB",
+                "TTFT turn 1 s",
+                "TTFT turn 2 s",
+                "turn-2 tokens cached",
+                "cross-user same",
+            ],
+            body,
+        ),
+        "",
+        "Needle second, by depth of the number:",
+        "",
+        *table(["arm", *depths], by_depth),
+        "",
+        "```bash",
+        res["command"],
+        "```",
+        "",
+        *([("; ".join(notes) + "."), ""] if notes else []),
+    ]
+
+
+def _documents(n: int) -> str:
+    return "document" if n == 1 else f"{n} documents"
+
+
+def _count(p: dict) -> str:
+    return f"{p['correct']}/{p['cases']}"
