@@ -220,6 +220,8 @@ def test_compress_together_uses_every_layer():
     with veloxpatch.patched(model, "kvzip", budget=8, sinks=1, floor=0.0) as patch:
         caches = patch.make_cache()
         model(prompt_tokens(30)[None], cache=caches)
+        for c in caches:  # no reconstruction pass: the prompt's window scores
+            c.raise_tail_scores()
         # make layer 0's scores dominate: it takes most of the shared budget
         caches[0].zscore = caches[0].zscore + 10.0
         compress_together(caches)
@@ -301,7 +303,7 @@ def test_decode_recompression_keeps_the_best_rows_by_the_newest_queries():
             seen.append(n_keep)
 
         c.evict_to = spy
-        greedy(model, prompt_tokens(5, seed=3), n=12, prompt_cache=caches)
+        greedy(model, prompt_tokens(4, seed=3), n=12, prompt_cache=caches)
     assert seen and all(n == 12 for n in seen)  # every layer back to the budget
     assert all(x.rows <= 12 + 4 for x in caches)
 
@@ -317,9 +319,9 @@ def test_frozen_decode_keeps_the_context_and_short_answers_agree():
             caches = patch.prefill(ids, tokenizer=TOK)
             context = [np.array(c.positions_view()) for c in caches]
             short = greedy(
-                model, prompt_tokens(5, seed=3), n=4, prompt_cache=copy_cache(caches)
+                model, prompt_tokens(4, seed=3), n=4, prompt_cache=copy_cache(caches)
             )
-            greedy(model, prompt_tokens(5, seed=3), n=12, prompt_cache=caches)
+            greedy(model, prompt_tokens(4, seed=3), n=12, prompt_cache=caches)
             kept = [np.array(c.positions_view()) for c in caches]
         got[decode] = short
         held = [set(k.ravel().tolist()) for k in kept]
@@ -349,7 +351,8 @@ def test_tail_queries_raise_scores_by_their_attention():
     the queries and the GQA group, a numpy softmax for reference."""
     model = tiny_model("llama", num_hidden_layers=2)
     ids = prompt_tokens(30).tolist()
-    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, tail=4) as patch:
+    opts = dict(budget=12, sinks=2, tail=4, window=4)
+    with veloxpatch.patched(model, "kvzip", **opts) as patch:
         caches = patch.make_cache()
         model(mx.array(ids)[None], cache=caches)  # the prompt is not ended
         for c in caches:

@@ -109,11 +109,11 @@ def test_failure_midway_leaves_model_untouched(monkeypatch):
     calls = {"n": 0}
     real_wrap = patcher._wrap_class
 
-    def flaky(cls, target):
+    def flaky(*args):
         calls["n"] += 1
         if calls["n"] == 2:  # the second layer fails
             raise RuntimeError("injected failure")
-        return real_wrap(cls, target)
+        return real_wrap(*args)
 
     monkeypatch.setattr(patcher, "_wrap_class", flaky)
     with pytest.raises(RuntimeError, match="injected"):

@@ -61,8 +61,12 @@ def patch_of(model) -> Patch | None:
 class Patch:
     """A patched model. `restore()` undoes everything; a second call does nothing."""
 
-    def __init__(self, model, adapter, sites, cache_cls, options, requested=None):
+    def __init__(
+        self, model, adapter, sites, cache_cls, options, requested=None, tokenizer=None
+    ):
         self.model = model
+        self.tokenizer = tokenizer  # kvzip's reconstruction phrases its instruction
+        self.keep_snapshots = False  # the server's prompt cache (serve/kv.py)
         self.requested = dict(requested or {})  # the options as the caller gave them
         self.adapter = adapter
         self.sites = sites  # every layer; sliding ones are not registered
@@ -102,6 +106,10 @@ class Patch:
             cache.phase, cache.probe, cache.shards = phase, probe, shards
             phase.members.append(weakref.ref(cache))
             caches.append(cache)
+        phase.size = len(caches)
+        phase.keep_snapshot = (
+            self.keep_snapshots and self.cache_cls.prompt_cache_policy == "prompt"
+        )
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches
 
@@ -141,6 +149,11 @@ class Patch:
             self, tokens, tokenizer=tokenizer, chunk=chunk, context_start=context_start
         )
 
+    def _model_forward(self, wrapped, model, args, kwargs):
+        from .context import model_forward
+
+        return model_forward(self, wrapped, model, args, kwargs)
+
     def end_prompt(self, caches=None) -> None:
         """Tell the caches the prompt is over (for callers that drive
         `model(x, cache=...)` themselves). Defaults to the last `make_cache()`."""
@@ -158,6 +171,8 @@ class Patch:
         _PATCHES[id(model)] = weakref.ref(self)
         try:
             patcher.register(active, owner=self)
+            if self.cache_cls.wants_token_ids:
+                patcher.register_model(model, self._model_forward)
             model.make_cache = self.make_cache
         except BaseException:
             self._uninstall()
@@ -167,6 +182,7 @@ class Patch:
     def _uninstall(self) -> None:
         model = self.model
         patcher.unregister([s for s in self.sites if not s.sliding])
+        patcher.unregister_model(model)
         if self._prior_make_cache is _MISSING:
             model.__dict__.pop("make_cache", None)
         else:
@@ -193,9 +209,13 @@ class Patch:
         return f"<veloxpatch.Patch {self.algo} {self.options} ({state})>"
 
 
-def apply(model, algo: str = "full", **options) -> Patch:
-    """Patch `model`'s attention and install `algo`'s caches as `model.make_cache`."""
+def apply(model, algo: str = "full", *, tokenizer=None, **options) -> Patch:
+    """Patch `model`'s attention and install `algo`'s caches as `model.make_cache`.
+    `tokenizer` (default: the one `veloxpatch.load` returned with the model):
+    lets kvzip run its reconstruction pass inside mlx-lm's generate functions."""
     from model_adapters import adapter_for
+
+    from .models import tokenizer_of
 
     adapter = adapter_for(model)
     cache_cls, opts = make_options(algo, options, model)
@@ -208,7 +228,9 @@ def apply(model, algo: str = "full", **options) -> Patch:
         patcher.check_target(target)
     if all(s.sliding for s in sites):
         raise UnsupportedModelError("every layer uses sliding-window attention")
-    patch = Patch(model, adapter, sites, cache_cls, opts, options)
+    if tokenizer is None:
+        tokenizer = tokenizer_of(model)
+    patch = Patch(model, adapter, sites, cache_cls, opts, options, tokenizer)
     patch._install()
     register_with_mlx_lm()  # so mlx-lm's load_prompt_cache finds our classes
     return patch

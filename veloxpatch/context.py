@@ -36,7 +36,8 @@ def prefill(patch, tokens, *, tokenizer=None, chunk: int = 2048, context_start=0
         patch.model(mx.array(ids[start : start + chunk])[None], cache=caches)
         mx.eval([c.state for c in caches])
     if zipped:
-        reconstruct(patch.model, caches, zipped, ids[context_start:], tokenizer)
+        with zipped[0].phase.suspend():
+            reconstruct(patch.model, caches, zipped, ids[context_start:], tokenizer)
     patch.end_prompt(caches)
     return caches
 
@@ -64,15 +65,16 @@ def repeat_inputs(context: list[int], tokenizer, chunk: int, start: int):
 
 
 def reconstruct(model, caches, zipped, context, tokenizer) -> None:
-    """KVzip's scoring pass: each chunk's repeat attends to the cached context,
-    its rows are trimmed off after scoring."""
+    """KVzip's scoring pass over `context`, the ids of the newest positions:
+    each chunk's repeat attends to the cached context, its rows are trimmed
+    off after scoring."""
     o = zipped[0].options
-    offset = zipped[0].offset
+    start = zipped[0].offset - len(context)
     for c in zipped:
-        c.zscore = None  # the prompt's own queries do not score here
-    for rng, ids in repeat_inputs(context, tokenizer, o.chunk, offset - len(context)):
+        c.begin_reconstruction(start)
+    for rng, ids in repeat_inputs(context, tokenizer, o.chunk, start):
         for c in zipped:
-            c.repeat = rng
+            c.repeat = c.rows_of(rng)
         # mlx-lm's caches (sliding-window layers) would lose context to the
         # repeat: they see a copy; the logits are never evaluated (lazy).
         chunk_caches = [
@@ -84,6 +86,45 @@ def reconstruct(model, caches, zipped, context, tokenizer) -> None:
                 c.trim(len(ids))
     for c in zipped:
         c.repeat = None
+
+
+def model_forward(patch, wrapped, model, args, kwargs):
+    """A patched model's call (kvzip only): it records the prompt's token ids,
+    and before the call that ends a prompt it runs the reconstruction pass over
+    what the prompt added, so mlx-lm's generate functions and the server score
+    as `prefill` does. Batched calls (one cache list per batch) pass through:
+    their sequences are scored by their own queries (`KVzipCache`)."""
+    ids = args[0] if args else kwargs.get("inputs")
+    caches = kwargs["cache"] if "cache" in kwargs else (args[1:2] or [None])[0]
+    zipped = [c for c in caches or () if isinstance(c, KVzipCache)]
+    if (
+        not zipped
+        or not isinstance(ids, mx.array)
+        or ids.ndim != 2
+        or ids.shape[0] != 1
+        or zipped[0].phase.suspended
+    ):
+        return wrapped(*args, **kwargs)
+    first = zipped[0]
+    n = ids.shape[1]
+    if first.phase.would_end(n):
+        _score_segment(patch, model, caches, zipped)
+    elif first.phase.takes_prompt(n):
+        first.phase.record(first.offset, ids[0].tolist())
+    return wrapped(*args, **kwargs)
+
+
+def _score_segment(patch, model, caches, zipped) -> None:
+    """Reconstruct the prompt's positions not yet compressed, if they are all
+    held, their ids known, and compressing would evict anything."""
+    first = zipped[0]
+    if patch.tokenizer is None or not first.needs_scores():
+        return
+    start = max(first.segment_start(), first.offset - min(c.run() for c in zipped))
+    ids = first.phase.token_ids(start, first.offset)
+    if ids:
+        with first.phase.suspend():
+            reconstruct(model, caches, zipped, ids, patch.tokenizer)
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -95,7 +96,19 @@ def load(model=None, *, quantized: bool | None = None):
 
     if quantized is False or (quantized is None and _on_cpu()):
         dequantize_to_float32(net)
+    _TOKENIZERS[id(net)] = (weakref.ref(net), tokenizer)
     return net, tokenizer
+
+
+# model id -> (weakref to it, its tokenizer): `apply` finds the tokenizer of a
+# model loaded here (kvzip's reconstruction phrases its instruction with it)
+_TOKENIZERS: dict[int, tuple] = {}
+
+
+def tokenizer_of(model):
+    """The tokenizer `load` returned with `model`, or None."""
+    entry = _TOKENIZERS.get(id(model))
+    return entry[1] if entry is not None and entry[0]() is model else None
 
 
 def _on_cpu() -> bool:

@@ -29,14 +29,15 @@ class _ClassPatch:
 
 
 _CLASSES: dict[type, _ClassPatch] = {}
-_INSTANCES: dict[int, tuple[weakref.ref, object]] = {}  # id -> (ref, LayerSite)
+# id -> (ref, forward): forward(wrapped, instance, args, kwargs) runs instead
+_INSTANCES: dict[int, tuple[weakref.ref, object]] = {}
 
 
 def _dispatch(wrapped, instance, args, kwargs):
     entry = _INSTANCES.get(id(instance))
     if entry is None or entry[0]() is not instance:
         return wrapped(*args, **kwargs)
-    return patched_forward(entry[1], wrapped, instance, args, kwargs, entry[2])
+    return entry[1](wrapped, instance, args, kwargs)
 
 
 def check_target(target) -> type:
@@ -57,14 +58,32 @@ def check_target(target) -> type:
     return cls
 
 
-def _wrap_class(cls: type, target) -> _ClassPatch:
+def _wrap_class(cls: type, module: str, name: str) -> _ClassPatch:
     cp = _CLASSES.get(cls)
     if cp is None:
         original = cls.__dict__["__call__"]
-        module = importlib.import_module(target.module)
-        wrapt.wrap_function_wrapper(module, f"{target.cls}.__call__", _dispatch)
+        where = importlib.import_module(module)
+        wrapt.wrap_function_wrapper(where, f"{name}.__call__", _dispatch)
         cp = _CLASSES[cls] = _ClassPatch(cls, original)
     return cp
+
+
+def _add(instance, cls: type, module: str, name: str, forward) -> int:
+    """Route `instance`'s calls to `forward`; released when it is collected."""
+    key = id(instance)
+    if key in _INSTANCES:
+        raise RuntimeError(f"{type(instance).__name__} already patched")
+    cp = _wrap_class(cls, module, name)
+
+    def _gone(_ref, key=key, cls=cls):
+        if _INSTANCES is None:  # module globals already torn down at exit
+            return
+        _INSTANCES.pop(key, None)
+        _release(cls, key)
+
+    _INSTANCES[key] = (weakref.ref(instance, _gone), forward)
+    cp.instances.add(key)
+    return key
 
 
 def _release(cls: type, key: int) -> None:
@@ -82,22 +101,14 @@ def register(sites, owner=None) -> list[int]:
     done: list[int] = []
     try:
         for site in sites:
-            attn = site.attention
-            cls = type(attn)
-            key = id(attn)
-            if key in _INSTANCES:
+            attn, target = site.attention, site.target
+
+            def forward(wrapped, instance, args, kwargs, site=site):
+                return patched_forward(site, wrapped, instance, args, kwargs, owner)
+
+            if id(attn) in _INSTANCES:
                 raise RuntimeError(f"attention of layer {site.index} already patched")
-            cp = _wrap_class(cls, site.target)
-
-            def _gone(_ref, key=key, cls=cls):
-                if _INSTANCES is None:  # module globals already torn down at exit
-                    return
-                _INSTANCES.pop(key, None)
-                _release(cls, key)
-
-            _INSTANCES[key] = (weakref.ref(attn, _gone), site, owner)
-            cp.instances.add(key)
-            done.append(key)
+            done.append(_add(attn, type(attn), target.module, target.cls, forward))
     except BaseException:
         unregister(sites[: len(done)])
         raise
@@ -111,6 +122,22 @@ def unregister(sites) -> None:
         if entry is not None and entry[0]() is site.attention:
             del _INSTANCES[key]
             _release(type(site.attention), key)
+
+
+def register_model(model, forward) -> None:
+    """Route calls of the whole `model` to `forward(wrapped, model, args,
+    kwargs)` (the patch sees the token ids of each call: kvzip's reconstruction)."""
+    cls = type(model)
+    if "__call__" not in cls.__dict__:
+        raise RuntimeError(f"{cls.__name__} defines no __call__ of its own")
+    _add(model, cls, cls.__module__, cls.__qualname__, forward)
+
+
+def unregister_model(model) -> None:
+    entry = _INSTANCES.get(id(model))
+    if entry is not None and entry[0]() is model:
+        del _INSTANCES[id(model)]
+        _release(type(model), id(model))
 
 
 def is_registered(attn) -> bool:

@@ -65,10 +65,16 @@ class VeloxCache(RowStorage, _BaseCache):
     note: ClassVar[str] = ""  # a trade-off worth knowing, printed under it
     Options: ClassVar[type[CacheOptions]] = CacheOptions
     wants_layer_input: ClassVar[bool] = False  # handed (x, o_proj) before attend
+    wants_token_ids: ClassVar[bool] = False  # the patch sees whole-model calls
     batchable: ClassVar[bool] = False  # `merge` builds a batch (caches/batch.py)
     batch_refusal: ClassVar[str] = "its batch contract is not implemented"
     batch_layout: ClassVar[str] = "sequence"  # or "full": mlx-lm's BatchKVCache
     _shared_attrs: ClassVar[tuple] = ("options", "shards", "probe", "book")  # deepcopy
+    # What a server keeps of this cache for later requests (serve/kv.py):
+    # "as_is": the kept set never reads a query, so any state of it is agnostic;
+    # "prompt": the copy taken as the prompt ends, before its question-aware
+    # compression; "none": queries of the question evicted during the prompt.
+    prompt_cache_policy: ClassVar[str] = "as_is"
 
     def __init__(
         self, options: CacheOptions | None = None, layer: int = 0, num_layers: int = 1
@@ -121,11 +127,47 @@ class VeloxCache(RowStorage, _BaseCache):
         return self.phase.in_prompt
 
     def sync_phase(self) -> None:
-        """Run `end_prompt` if the phase has ended a prompt this cache has not."""
+        """Run `end_prompt` if the phase has ended a prompt this cache has not
+        (with a snapshot for the server's prompt cache, before or after)."""
         if self.phase_ends < self.phase.ends:
+            snap = self.phase.keep_snapshot
+            first = snap and self.snapshot_first()
+            if first:
+                self.take_snapshot(pending=True)
             self.phase_ends = self.phase.ends
             if self.keys is not None:
                 self.end_prompt()
+            if snap and not first:
+                self.take_snapshot(pending=False)
+
+    def snapshot_first(self) -> bool:
+        """Whether the prompt-end snapshot is taken before `end_prompt` runs
+        (its compression reads the question's queries) or after (kvzip's
+        reconstruction scores are question-agnostic)."""
+        return True
+
+    def take_snapshot(self, pending: bool) -> None:
+        """A copy of every layer's cache as it is now, for the server's prompt
+        cache (`serve/kv.py`). `pending`: the copies have not seen this prompt
+        end, so the next request sharing their tokens continues the prompt.
+        Taken once per prompt end, by the first layer to see it."""
+        phase = self.phase
+        if phase.snapshot is not None and phase.snapshot[0] == phase.ends:
+            return
+        caches = [r() for r in phase.members]
+        if any(c is None for c in caches) or len(caches) != phase.size:
+            return  # a layer is gone, or mlx-lm's caches share the list
+        copied = phase.copy()
+        copied.keep_snapshot, copied.snapshot = False, None
+        if pending:
+            copied.state, copied.ends = "prefill", phase.ends - 1
+        clones = []
+        for c in caches:
+            new = c.clone()
+            new.phase, new.phase_ends = copied, copied.ends
+            copied.members.append(weakref.ref(new))
+            clones.append(new)
+        phase.snapshot = (phase.ends, self.offset, clones)
 
     def close_prompt(self) -> None:
         """The caller says the prompt is over (`Patch.end_prompt()`)."""

@@ -86,6 +86,10 @@ class EvictionOptions(CacheOptions):
         """Bytes a layer holds besides its rows, counted in nbytes (per sequence)."""
         return 0
 
+    def row_side_bytes(self) -> int:
+        """Bytes each held row costs besides its key, value and position."""
+        return 0
+
     def recent_rows(self) -> int:
         """Newest rows never evicted (subclasses: their window or `recent`)."""
         return 0

@@ -100,6 +100,8 @@ def merge_moments(count: int, mean, m2, x: mx.array):
 
 class ExpectedAttentionCache(EvictingCache):
     name = "expected_attention"
+    # its query statistics keep every query seen, a trim cannot take one back
+    prompt_cache_policy = "none"
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "expected attention of future queries (context query statistics) x |v|"
     note = (

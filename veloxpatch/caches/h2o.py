@@ -35,6 +35,7 @@ class H2OOptions(EvictionOptions):
 
 class H2OCache(ProbabilityCache):
     name = "h2o"
+    prompt_cache_policy = "none"
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "accumulated attention of every real query (heavy hitters) + recent"
     Options = H2OOptions

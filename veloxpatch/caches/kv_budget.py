@@ -103,14 +103,15 @@ def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:
             continue
         total += options.side_bytes(heads, d)
         dense = slot_bytes(options, d, dtype_size, False)
+        side = options.row_side_bytes()
         if options.kv_bits is None:
-            per_head = r * (dense + 4)
+            per_head = r * (dense + 4 + side)
         else:
             g = options.kv_group
             slots = r + max(g, r // HOLE_SHARE)
             full = min(slots, options.kv_residual + g - 1)
             quant = slot_bytes(options, d, dtype_size, True)
-            per_head = full * dense + (slots - full) * quant + 8 * r
+            per_head = full * dense + (slots - full) * quant + (8 + side) * r
         total += kv_heads * per_head
     return total
 

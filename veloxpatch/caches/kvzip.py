@@ -11,8 +11,19 @@ it repeats and the repeat tokens before it; a pair's score is the maximum
 probability over the chunk's queries and its GQA group. The repeat rows are
 trimmed off after each chunk.
 
-Without that pass (a prompt ended inside mlx-lm's generate: the patch never sees
-token ids), the same maximum is taken over the prompt's own queries.
+The pass runs in every path that has the token ids: `patch.prefill` and
+`veloxpatch compress`, and, when the patch knows the tokenizer (`apply(...,
+tokenizer=)`, or a model from `veloxpatch.load`), every prompt that mlx-lm's
+generate functions or the server send one sequence at a time (the patch records
+the prompt's ids and reconstructs before the call that ends it,
+`context.model_forward`). Where no ids reach it (batched generation, no
+tokenizer, a cache loaded from a file), the same maximum is taken over the
+prompt's own queries.
+
+A later prompt on a compressed cache (a question, a second turn) is kept whole
+while the rows held stay within budget + window; past that its new positions
+are reconstructed too and the whole cache is chosen again under the budget
+(every kept row keeps its score, `zscore`, for that).
 
 At the prompt end the kept set is chosen globally over every (layer, KV head,
 position) of the prompt cache: sinks and the context's `recent` newest rows
@@ -49,6 +60,7 @@ from .kvzip_choice import compress_together
 from .kvzip_decode import KVzipDecode
 from .kvzip_plus import output_gram, plus_scores
 from .options import check_choice, check_int, check_number
+from .snapkv import SnapKVOptions, window_score
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -84,6 +96,9 @@ class KVzipOptions(EvictionOptions):
     def recent_rows(self):
         return self.recent
 
+    def row_side_bytes(self):
+        return 4  # each kept row's float32 score (a later prompt is chosen again)
+
     def __post_init__(self):
         check_number("floor", self.floor, 0, 1)
         check_int("window", self.window, 0)
@@ -115,6 +130,7 @@ class KVzipOptions(EvictionOptions):
 
 class KVzipCache(KVzipDecode, EvictingCache):
     name = "kvzip"
+    prompt_cache_policy = "prompt"
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "attention each pair gets while the model repeats the context; global"
     note = (
@@ -123,10 +139,11 @@ class KVzipCache(KVzipDecode, EvictingCache):
         "mlx_lm.generate is scored by its own queries (no token ids to repeat)."
     )
     Options = KVzipOptions
+    wants_token_ids = True  # the patch records prompt ids (context.model_forward)
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)
-        self.zscore = None  # [B, Hkv, rows] max attention probability, float32
+        self.zscore = None  # [B, Hkv, <= rows] each row's score, float32
         self.repeat = None  # (start, end) of the context chunk being repeated
         self.score_prompt = True  # score with the prompt's own queries
         self.context_rows = None  # rows kept by the compression, per head max
@@ -149,27 +166,29 @@ class KVzipCache(KVzipDecode, EvictingCache):
         out = super().attention(q, keys, values, mask, scale)
         if self.repeat is not None:  # quantized rows: the kernel, then scores
             self._score_repeat(q, keys, values, scale)
-        elif self.in_prompt and self.context_rows is None:
-            if self.score_prompt:
-                pos = self.positions_view()
-                _, probs = query_probs(q, keys, pos, self.offset, scale)
-                self._raise_scores(probs.max(axis=(2, 3)), 0)
-            if self.options.tail:
-                n = self.options.tail
-                self.tail_queries = newest_queries(self.tail_queries, q, n)
+        elif self.in_prompt:
+            n = max(self.options.tail, self.options.window)
+            self.tail_queries = newest_queries(self.tail_queries, q, n)
         return out
 
     def raise_tail_scores(self) -> None:
         """Raise the scores by the attention of the context's last `tail`
         queries (max over them and the group): what a continuation reads.
-        Scores from the prompt's own queries already include theirs."""
+        With no reconstruction (no token ids), the prompt's last
+        max(tail, window) queries alone score, SnapKV's window score."""
         q, self.tail_queries = self.tail_queries, None
-        if q is None or self.zscore is None or self.score_prompt:
+        if q is None:
             return
         keys, _ = self._view()
         start = self.offset - q.shape[2]
         _, probs = query_probs(q, keys, self.positions_view(), start, self.scale)
-        self._raise_scores(probs.max(axis=(2, 3)), 0)
+        if self.score_prompt:
+            self.zscore = window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
+            return
+        if self.zscore is None or not self.options.tail:
+            return
+        n = self.options.tail
+        self._raise_scores(probs[..., -n:, :].max(axis=(2, 3)), 0)
 
     def _subset(self, T: int, L: int) -> list[tuple[int, int]]:
         """Row ranges of KVzip's softmax for a repeat of L rows after T - L:
@@ -239,15 +258,35 @@ class KVzipCache(KVzipDecode, EvictingCache):
 
     # ---- compression --------------------------------------------------------------
     def end_prompt(self):
-        if self.context_rows is not None:  # a later prompt (a question) is kept
-            self.context_rows, self.context_end = self.rows, self.offset
-            self.decode_queries = None  # their positions no longer end at offset
-            self.decode_rows = None  # the question stays until the next cut
+        if self.compressed_ends == self.phase.ends:
+            return  # another layer's end_prompt compressed every layer
+        # decided once for every layer, by the first to see the prompt's end
+        members = self.phase_members() or [self]
+        if self.context_rows is not None and not self.needs_scores():
+            for c in members:  # a later prompt within the window (a question)
+                c.keep_whole()
             return
-        if self.compressed_ends == self.phase.ends or self.zscore is None:
+        if self.zscore is None and self.tail_queries is None:
             return
-        members = [c for c in self.phase_members() if c.zscore is not None]
-        compress_together(members or [self])
+        if self.score_prompt:  # no reconstruction ran: the window scores
+            for c in members:
+                c.raise_tail_scores()
+        compress_together([c for c in members if c.zscore is not None] or [self])
+        for c in members:  # the next prompt is scored anew
+            c.score_prompt = True
+
+    def snapshot_first(self) -> bool:
+        # reconstructed: the compressed cache is question-agnostic, keep it;
+        # scored by the prompt's window (the question's queries): the whole
+        return self.score_prompt
+
+    def keep_whole(self) -> None:
+        """A later prompt stays whole on top of the compressed context."""
+        self.context_rows, self.context_end = self.rows, self.offset
+        self.decode_queries = None  # their positions no longer end at offset
+        self.decode_rows = None  # the question stays until the next cut
+        self.tail_queries = None
+        self.compressed_ends = self.phase.ends
 
     def phase_members(self) -> list:
         refs = getattr(self.phase, "members", None) or []
@@ -260,7 +299,59 @@ class KVzipCache(KVzipDecode, EvictingCache):
         self.fit_buffer()  # a layer keeping all still had room for the repeat
         self.context_rows, self.context_end = self.rows, self.offset
         self.compressed_ends = self.phase.ends
-        self.zscore = None
+        self.decode_queries, self.decode_rows = None, None
+
+    # ---- what the reconstruction of a later segment needs --------------------------
+    def needs_scores(self) -> bool:
+        """Whether the prompt now ending is compressed and would evict anything
+        (else its reconstruction would be wasted): a first prompt over the
+        budget, a later one that takes the layers past budget + window rows
+        on average (`decode="frozen"` never touches a compressed context)."""
+        o, members = self.options, self.phase_members() or [self]
+        if self.context_rows is None:
+            return any(c.rows > o.budget for c in members)
+        rows = sum(c.rows for c in members)
+        return not self.frozen and rows > (o.budget + o.window) * len(members)
+
+    def segment_start(self) -> int:
+        """The first position no compression has chosen among yet."""
+        return 0 if self.context_end is None else self.context_end
+
+    def run(self) -> int:
+        """How many newest rows hold the newest positions, unbroken, in every head."""
+        if self.positions is None:
+            return self.rows
+        pos = self.positions_view()
+        want = mx.arange(self.offset - self.rows, self.offset, dtype=mx.int32)
+        whole = (pos == want).all(axis=(0, 1))[::-1].astype(mx.int32)
+        return int(mx.cumprod(whole).sum().item())
+
+    def rows_of(self, span: tuple[int, int]) -> tuple[int, int]:
+        """Row range of positions [a, b) among the newest `run()` rows."""
+        a, b = span
+        return self.rows - (self.offset - a), self.rows - (self.offset - b)
+
+    def begin_reconstruction(self, start: int) -> None:
+        """Positions from `start` on are scored by the reconstruction alone."""
+        self.score_prompt = False
+        if self.zscore is not None:
+            self.zscore = self.zscore[..., : self.rows_of((start, start))[0]]
+
+    def row_scores(self) -> mx.array:
+        """[B, Hkv, rows] every row's score, 0 for rows never scored."""
+        z = self.zscore
+        if z.shape[-1] < self.rows:
+            B, H, n = z.shape
+            z = mx.concatenate([z, mx.zeros((B, H, self.rows - n), z.dtype)], -1)
+        return z[..., : self.rows]
+
+    def keep_rows(self, idx, pos=None):
+        if self.zscore is not None:  # scores stay with their rows
+            self.zscore = mx.take_along_axis(self.row_scores(), idx, axis=-1)
+        super().keep_rows(idx, pos)
+
+    def held_arrays(self):
+        return super().held_arrays() + ([] if self.zscore is None else [self.zscore])
 
     def side_arrays(self):
         held = (self.zscore, self.decode_queries, self.tail_queries)

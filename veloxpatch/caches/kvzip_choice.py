@@ -25,7 +25,7 @@ def compress_together(caches: list) -> None:
         c.raise_tail_scores()
     scores = []
     for c in caches:
-        s = c.shards.all_heads(c.zscore[..., : c.rows])  # [B, H, T] every head
+        s = c.shards.all_heads(c.row_scores())  # [B, H, T] every head
         pos = c.shards.all_heads(c.positions_view())
         s = mx.where(pos < o.sinks, mx.inf, s)
         if o.recent:  # the context's newest rows, where a continuation starts

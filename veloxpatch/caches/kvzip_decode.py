@@ -51,6 +51,8 @@ class KVzipDecode:
         n = super().trim(n)
         if n:
             self.decode_queries = None  # they may include trimmed tokens
+            if self.zscore is not None:
+                self.zscore = self.zscore[..., : self.rows]
         return n
 
     def row_bound(self) -> int:

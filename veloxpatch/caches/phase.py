@@ -22,6 +22,7 @@ hook before attending (or at once, on `Patch.end_prompt()`).
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 import weakref
 
@@ -39,6 +40,16 @@ class PromptPhase:
         self.evaluated = False  # mlx-lm evaluated the state since the last call
         self.members = []  # weakrefs to the caches sharing it (model-wide choices)
         self.id = uuid.uuid4().hex  # lets the layers of a saved list share one again
+        # token ids of positions tokens_start.. as the patch saw them (kvzip's
+        # reconstruction reads them); not saved with the caches
+        self.tokens: list[int] = []
+        self.tokens_start = 0
+        self.suspended = False  # a scoring pass runs inside the prompt
+        # the server's prompt cache: a copy of the caches at the last prompt end,
+        # before any question-aware compression (`VeloxCache.take_snapshot`)
+        self.keep_snapshot = False
+        self.snapshot: list | None = None
+        self.size = 0  # caches in the list (a snapshot needs every layer)
 
     @property
     def in_prompt(self) -> bool:
@@ -64,6 +75,46 @@ class PromptPhase:
             self.maybe_chunk = self.after_multi
         self.after_multi = length > 1
 
+    def would_end(self, length: int) -> bool:
+        """Whether a call of `length` tokens arriving now ends the prompt (the
+        rule of `begin_call`, without moving the phase)."""
+        if self.state != ENDING:
+            return False
+        return not (self.maybe_chunk and self.evaluated)
+
+    def takes_prompt(self, length: int) -> bool:
+        """Whether a call of `length` tokens arriving now is prompt."""
+        return length > 1 or (self.state != DECODE and not self.would_end(length))
+
+    def record(self, offset: int, ids: list[int]) -> None:
+        """The ids of positions offset.. (a trim earlier drops what follows;
+        a gap restarts the run)."""
+        end = self.tokens_start + len(self.tokens)
+        if self.tokens_start <= offset <= end:
+            del self.tokens[offset - self.tokens_start :]
+            self.tokens.extend(ids)
+        else:
+            self.tokens, self.tokens_start = list(ids), offset
+
+    def token_ids(self, start: int, end: int) -> list[int] | None:
+        """The ids of positions [start, end), or None if not all were seen."""
+        if start < self.tokens_start or end > self.tokens_start + len(self.tokens):
+            return None
+        return self.tokens[start - self.tokens_start : end - self.tokens_start]
+
+    @contextlib.contextmanager
+    def suspend(self):
+        """A pass inside the prompt (kvzip's reconstruction) leaves the phase as
+        it found it: its calls are prompt calls that end nothing."""
+        fields = ("state", "ends", "call", "layers", "after_multi")
+        saved = {k: getattr(self, k) for k in (*fields, "maybe_chunk", "evaluated")}
+        self.state, self.suspended = PREFILL, True
+        try:
+            yield
+        finally:
+            self.__dict__.update(saved)
+            self.suspended = False
+
     def chunk_evaluated(self) -> None:
         """mlx-lm read the caches' state (it does after every prefill chunk)."""
         self.evaluated = True
@@ -76,7 +127,12 @@ class PromptPhase:
 
     def copy(self) -> PromptPhase:
         new = PromptPhase()
-        new.__dict__.update(self.__dict__, layers=set(self.layers), members=[])
+        new.__dict__.update(
+            self.__dict__,
+            layers=set(self.layers),
+            members=[],
+            tokens=list(self.tokens),
+        )
         new.id = uuid.uuid4().hex
         return new
 

@@ -92,6 +92,7 @@ def window_score(probs: mx.array, kernel: int, pool: str) -> mx.array:
 
 class SnapKVCache(EvictingCache):
     name = "snapkv"
+    prompt_cache_policy = "prompt"
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "top attention of the last w prompt queries, pooled; + the window"
     note = (

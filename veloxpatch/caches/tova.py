@@ -16,6 +16,7 @@ from .attention_probs import ProbabilityCache
 
 class TOVACache(ProbabilityCache):
     name = "tova"
+    prompt_cache_policy = "none"
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "attention of the current last query, mean over all heads"
     observed = "last"

@@ -5,8 +5,10 @@ prompt cache. A request reserves an upper bound on the KV bytes it can hold
 before it is queued (its prompt is tokenized for that), and gives it back when
 its response ends:
 - a cache with a budget (eviction): its decode bound (`kv_budget.bound_bytes`),
-  or the whole prompt at full precision if more, since the SnapKV family holds
-  the prompt until it ends and the others hold at most budget + a prefill chunk;
+  or the whole prompt at full precision if more, since the others hold at most
+  budget + a prefill chunk; plus the whole prompt for the algorithms whose
+  prompt-end snapshot the prompt cache keeps (`kept_for_later`: the SnapKV
+  family, expected_attention, kvzip), held until the request ends;
 - any other cache (full, kivi, ...): prompt + max_tokens rows at full precision.
 Rows are rounded up to the 256-row growth step, and positions (4 bytes a row)
 are counted. It is a bound, not a measurement: the per-request log line says
@@ -53,6 +55,8 @@ class KVEstimate:
         self.sliding_row = sum(h * 2 * d * dtype for h, d, s in layers if s)
         self.patched_row = sum(h * (2 * d * dtype + 4) for h, d, s in layers if not s)
         self.full_row = sum(h * 2 * d * dtype for h, d, _ in layers)
+        # the snapshot the prompt cache keeps (kept_for_later) is held too
+        self.snapshot = patch.cache_cls.prompt_cache_policy == "prompt"
         budget = getattr(options, "budget", None)
         self.decode_bound = (
             None if budget is None else bound_bytes(options, dims, dtype, budget)
@@ -64,6 +68,8 @@ class KVEstimate:
         if self.decode_bound is None:
             return held + self.patched_row * rows
         prompt = self.patched_row * full_rows(prompt_tokens)
+        if self.snapshot:
+            return held + int(self.decode_bound + prompt)
         return held + int(max(self.decode_bound, prompt))
 
     def full_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
@@ -144,8 +150,40 @@ class BoundedPromptCache(LRUPromptCache):
                 f"{kv_bytes(prompt_cache):,}",
                 f"{full_kv_bytes(prompt_cache):,}",
             )
+            kept = kept_for_later(tokens, prompt_cache)
+            if kept is None:
+                return
+            tokens, prompt_cache, cache_type = kept
         with self._lock:
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
             room = self.ledger.prompt_cache_room() if self.ledger else None
             if room is not None and self.nbytes > room:
                 self.trim_to(n_bytes=room)
+
+
+def kept_for_later(tokens, caches):
+    """What of a finished request's caches the prompt cache keeps for later
+    requests and turns, by the algorithm's `prompt_cache_policy`: (tokens,
+    caches, cache type), or None. A cache compressed for this request's
+    question is never handed to another: the snapshot taken as its prompt
+    ended (uncompressed, or kvzip's reconstruction-scored cache) is kept
+    instead, under the prompt's tokens; nothing where the prompt's own
+    evictions read the question's queries (h2o, tova, keyformer)."""
+    from ..caches import VeloxCache
+
+    ours = [c for c in caches if isinstance(c, VeloxCache)]
+    policy = type(ours[0]).prompt_cache_policy if ours else "as_is"
+    if policy == "as_is":
+        return tokens, caches, "assistant"
+    snapshot = ours[0].phase.snapshot if policy == "prompt" else None
+    if snapshot is None:
+        log.info("request done: nothing kept for later (%s policy)", policy)
+        return None
+    _, n, copies = snapshot
+    log.info(
+        "prompt cache keeps the %d prompt tokens as they stood at the prompt's "
+        "end, before its question-aware compression: %s bytes",
+        n,
+        f"{kv_bytes(copies):,}",
+    )
+    return list(tokens[:n]), copies, "user"

@@ -96,8 +96,12 @@ class PatchedModelProvider(ModelProvider):
         model, tokenizer = load(self.source, quantized=self.quantized)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
-        self.patch = apply(model, self.algo, **self.options)
+        self.patch = apply(model, self.algo, tokenizer=tokenizer, **self.options)
+        self.patch.keep_snapshots = True  # the prompt cache's policy (kv.py)
         ok, why = batch_support(self.patch.make_cache())
+        if ok and self.patch.cache_cls.wants_token_ids:
+            # mlx-lm's batches hide each sequence's token ids from the patch
+            ok, why = False, f"{self.algo} reconstructs each prompt from its ids"
         self.model_key = (self.served_name(), None, None)
         self.model, self.tokenizer = model, tokenizer
         self.processor, self.draft_model = None, None

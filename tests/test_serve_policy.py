@@ -1,0 +1,113 @@
+"""The server's prompt-cache policy (serve/kv.py `kept_for_later`): what a
+finished request leaves for later requests is never compressed for its own
+question. Driven the way mlx-lm's server drives it (generate, insert the
+finished caches, fetch the nearest for the next prompt), on tiny models."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import greedy
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.serve.kv import BoundedPromptCache, kept_for_later
+
+DOC = prompt_tokens(60).tolist()
+ASK_A = prompt_tokens(6, seed=11).tolist()
+ASK_B = prompt_tokens(6, seed=12).tolist()
+KEY = ("tiny", None, None)
+
+
+def serve(model, cache_store, prompt, n=6):
+    """One request as mlx-lm's server runs it: (tokens, logprob rows, how many
+    prompt tokens came from the prompt cache)."""
+    cache, rest = cache_store.fetch_nearest_cache(KEY, prompt)
+    if cache is None:
+        cache, rest = model.make_cache(), prompt
+    toks, rows = greedy(model, mx.array(rest), n=n, prompt_cache=cache)
+    cache_store.insert_cache(KEY, prompt + toks, cache)
+    return toks, rows, len(prompt) - len(rest)
+
+
+@pytest.mark.parametrize(
+    "algo,opts",
+    [
+        ("snapkv", dict(budget=24, window=8)),
+        ("adakv", dict(budget=24, window=8)),
+        ("full", {}),
+    ],
+)
+def test_an_answer_never_depends_on_another_users_question(algo, opts):
+    """The same document with question B: alone, or after a user who asked A
+    on the same server. Same tokens, same logprobs (to float noise)."""
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, algo, **opts) as patch:
+        patch.keep_snapshots = True
+        alone = serve(model, BoundedPromptCache(), DOC + ASK_B)
+        shared = BoundedPromptCache()
+        serve(model, shared, DOC + ASK_A)
+        after = serve(model, shared, DOC + ASK_B)
+    assert after[2] >= len(DOC)  # the document came from the first user's cache
+    assert after[0] == alone[0]
+    np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
+
+
+def test_agnostic_evictions_depend_on_no_question_text():
+    """streaming_llm's cache is kept as it is: what a later user gets depends on
+    how long the earlier question was (rows evicted meanwhile stay evicted),
+    never on what it asked."""
+    model = tiny_model("llama")
+    ask_c = prompt_tokens(6, seed=13).tolist()
+    with veloxpatch.patched(model, "streaming_llm", budget=40) as patch:
+        patch.keep_snapshots = True
+        answers = []
+        for first in (ASK_A, ask_c):
+            store = BoundedPromptCache()
+            serve(model, store, DOC + first)
+            answers.append(serve(model, store, DOC + ASK_B))
+    assert answers[0][2] >= len(DOC) and answers[0][0] == answers[1][0]
+    np.testing.assert_allclose(np.array(answers[0][1]), np.array(answers[1][1]))
+
+
+def test_expected_attention_keeps_nothing_for_later():
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "expected_attention", budget=40) as patch:
+        patch.keep_snapshots = True
+        store = BoundedPromptCache()
+        serve(model, store, DOC + ASK_A)
+        assert len(store) == 0
+
+
+def test_the_kept_cache_is_the_prompt_uncompressed_and_continues_the_prompt():
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "snapkv", budget=24, window=8) as patch:
+        patch.keep_snapshots = True
+        caches = model.make_cache()
+        prompt = DOC + ASK_A
+        toks, _ = greedy(model, mx.array(prompt), n=5, prompt_cache=caches)
+        assert caches[0].rows <= 24 + 8  # the working cache was compressed
+        tokens, kept, kind = kept_for_later(prompt + toks, caches)
+    assert tokens == prompt and kind == "user"
+    assert all(c.rows == len(prompt) and c.offset == len(prompt) for c in kept)
+    assert all(c.in_prompt for c in kept)  # the next request continues the prompt
+
+
+def test_h2o_keeps_nothing_for_later_and_full_keeps_its_cache():
+    model = tiny_model("llama")
+    for algo, opts, stored in (("h2o", dict(budget=24), False), ("full", {}, True)):
+        with veloxpatch.patched(model, algo, **opts) as patch:
+            patch.keep_snapshots = True
+            store = BoundedPromptCache()
+            serve(model, store, DOC + ASK_A)
+            assert (len(store) == 1) == stored, algo
+
+
+def test_the_reservation_counts_the_snapshot():
+    from veloxpatch.serve.kv import KVEstimate
+
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "snapkv", budget=40) as snap:
+        with_snapshot = KVEstimate(snap).request_bytes(2000, 16)
+    with veloxpatch.patched(model, "streaming_llm", budget=40) as plain:
+        without = KVEstimate(plain).request_bytes(2000, 16)
+    assert with_snapshot > without
