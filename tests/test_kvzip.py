@@ -374,3 +374,57 @@ def test_tail_queries_raise_scores_by_their_attention():
             c.raise_tail_scores()
             assert c.tail_queries is None  # used once, then dropped
             np.testing.assert_allclose(np.array(c.zscore[0]), want, atol=1e-5)
+
+
+def test_generate_reconstructs_the_prompt_from_its_ids(monkeypatch):
+    """Inside mlx-lm's generate functions the patch records the prompt's ids
+    and runs the reconstruction over them before the call that ends the
+    prompt; the kept rows then match `patch.prefill`'s."""
+    from veloxpatch import context
+
+    model = tiny_model("llama")
+    ids = prompt_tokens(40).tolist()
+    seen = []
+    real = context.reconstruct
+
+    def spy(model, caches, zipped, ctx, tokenizer):
+        seen.append((list(ctx), zipped[0].offset))
+        return real(model, caches, zipped, ctx, tokenizer)
+
+    monkeypatch.setattr(context, "reconstruct", spy)
+    opts = dict(budget=12, sinks=2, window=4)
+    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, **opts) as patch:
+        caches = patch.make_cache()
+        greedy(model, mx.array(ids), n=2, prefill_step_size=64, prompt_cache=caches)
+        via_generate = [np.array(c.positions_view()) for c in caches]
+        assert seen == [(ids, 40)]  # once, over the whole prompt, at its end
+        ref = patch.prefill(ids, tokenizer=TOK)
+        via_prefill = [np.array(c.positions_view()) for c in ref]
+    for a, b in zip(via_generate, via_prefill):
+        a = [set(x.tolist()) - set(range(40, 50)) for x in a[0]]  # the prompt's
+        b = [set(y.tolist()) for y in b[0]]
+        assert [len(x) for x in a] == [len(y) for y in b]
+        same = np.mean([len(x & y) / len(y) for x, y in zip(a, b)])
+        assert same > 0.9  # float noise of a different chunking may swap near-ties
+
+
+def test_a_long_later_prompt_is_compressed_to_the_budget():
+    """A request that starts from a compressed prefix (the server's prompt
+    cache) and adds a long prompt is held to budget + window, not kept whole."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    opts = dict(budget=12, sinks=2, window=4)
+    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, **opts) as patch:
+        caches = patch.prefill(prompt_tokens(20).tolist(), tokenizer=TOK)
+        greedy(model, prompt_tokens(60, seed=5), n=3, prompt_cache=caches)
+    assert sum(c.rows for c in caches) <= (12 + 4) * len(caches)
+    assert all(c.offset == caches[0].offset >= 80 for c in caches)
+
+
+def test_without_a_tokenizer_the_prompt_window_scores():
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, window=4) as patch:
+        assert patch.tokenizer is None
+        caches = patch.make_cache()
+        greedy(model, prompt_tokens(40), n=3, prompt_cache=caches)
+    assert all(c.context_rows is not None for c in caches)
+    assert sum(c.rows for c in caches) <= (12 + 4) * len(caches)

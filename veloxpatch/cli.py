@@ -118,7 +118,7 @@ def generate(
         prompt = question_ids(tokenizer, prompt, tail)
     else:
         prompt = chat_prompt(tokenizer, prompt, chat)
-    with apply(m, algo=algo, **options) as patch:
+    with apply(m, algo=algo, tokenizer=tokenizer, **options) as patch:
         caches = caches if caches is not None else patch.make_cache()
         last = None
         for last in stream_generate(
