@@ -111,3 +111,23 @@ def test_the_reservation_counts_the_snapshot():
     with veloxpatch.patched(model, "streaming_llm", budget=40) as plain:
         without = KVEstimate(plain).request_bytes(2000, 16)
     assert with_snapshot > without
+
+
+@pytest.mark.parametrize("algo", ["snapkv", "kvzip"])
+def test_a_request_continuing_a_kept_cache_is_kept_for_the_next_turn(algo):
+    """Turn 2 starts from turn 1's kept cache; what it leaves covers turn 2's
+    prompt, so turn 3 reuses that."""
+    from test_kvzip import TOK
+
+    model = tiny_model("llama")
+    opts = dict(budget=24, window=8)
+    with veloxpatch.patched(model, algo, tokenizer=TOK, **opts) as patch:
+        patch.keep_snapshots = True
+        store = BoundedPromptCache()
+        first = DOC + ASK_A
+        toks, _, _ = serve(model, store, first)
+        second = first + toks + ASK_B
+        _, _, reused = serve(model, store, second)
+        assert reused >= len(first)
+        _, _, again = serve(model, store, second + ASK_A)
+        assert again >= len(second)

@@ -157,8 +157,8 @@ class VeloxCache(RowStorage, _BaseCache):
         caches = [r() for r in phase.members]
         if any(c is None for c in caches) or len(caches) != phase.size:
             return  # a layer is gone, or mlx-lm's caches share the list
-        copied = phase.copy()
-        copied.keep_snapshot, copied.snapshot = False, None
+        copied = phase.copy()  # keeps keep_snapshot: a later turn snapshots too
+        copied.snapshot = None
         if pending:
             copied.state, copied.ends = "prefill", phase.ends - 1
         clones = []
