@@ -1,8 +1,9 @@
 """`veloxpatch serve` end to end: a real server process on a free loopback port
 (the embedded SmolLM2, snapkv), OpenAI chat requests over HTTP.
 
-The server is started once for the module under `timeout`, so it stops by
-itself even if the test process dies, and is killed when the module ends.
+The server is started once for the module (`serving.running_server`: under
+`timeout` in its own process group, killed whole when the module ends, and
+checked gone).
 --max-kv-bytes 40MB: a short request reserves ~11.9 MB (256 rows of 46,440
 bytes, the step mlx-lm grows by), so three fit and a fourth waits for room; a
 1,500-token prompt (~71 MB at full precision before SnapKV compresses it)
@@ -11,56 +12,21 @@ never fits.
 
 import concurrent.futures
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 from conftest import smollm
+from serving import group_members, running_server
 
-ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France? Answer in one sentence."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = ["timeout", "-s", "KILL", "150", sys.executable, "-m", "veloxpatch.serve"]
-    cmd += ["--algo", "snapkv", "--budget", "64", "--max-kv-bytes", "40MB"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-tokens", "16"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            if proc.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                pytest.fail(f"server did not start:\n{log.read()}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.2)
-        yield url, Path(log.name)
-    finally:
-        proc.kill()
-        proc.wait()
-        log.close()
-        os.unlink(log.name)
+    args = ["--algo", "snapkv", "--budget", "64", "--max-kv-bytes", "40MB"]
+    with running_server(*args, "--max-tokens", "16") as srv:
+        yield srv.url, srv.log
 
 
 def post(url, body, raw: bytes | None = None):
@@ -188,3 +154,11 @@ def test_help_lists_our_options_and_mlx_lm_server_flags():
         assert flag in res.output  # mlx-lm's, passed through
     assert "--kv-bits KV_BITS" not in res.output  # refused, listed as such
     assert "Not supported here: --kv-bits" in res.output
+
+
+@smollm
+def test_no_server_process_outlives_its_test():
+    with running_server("--algo", "full") as srv:
+        group = srv.proc.pid  # timeout leads the group; the server is its child
+        assert srv.pid in group_members(group)
+    assert group_members(group) == []
