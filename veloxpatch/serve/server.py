@@ -4,7 +4,8 @@
   caches can batch; mlx-lm's provider would load any model a request names,
   unpatched, so every other name is refused here.
 - `Handler` (mlx-lm's APIHandler) refuses other models, adapters and draft
-  models, and reserves each request's KV bytes before queueing it (`kv`).
+  models, checks every field and the prompt's length (`checks`), and reserves
+  each request's KV bytes before queueing it (`kv`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mlx_lm.server import (
     _run_http_server,
 )
 
+from .checks import BadRequest, check_body, check_length, model_limits
 from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused
 
 log = logging.getLogger("veloxpatch.serve")
@@ -133,6 +135,22 @@ class Handler(APIHandler):
         self.end_headers()
         self.wfile.write(json.dumps({"error": message}).encode())
 
+    def validate_model_parameters(self):
+        # do_POST calls this for both endpoints with the parsed body, and
+        # answers a ValueError (BadRequest is one) with 400 {"error": ...}
+        try:
+            check_body(self.body, self.path, self.state.limits)
+        except BadRequest as e:
+            log.warning("refused (400): %s", e)
+            raise
+        # mlx-lm wants floats here and reads include_usage without a default
+        self.xtc_probability = float(self.xtc_probability)
+        self.xtc_threshold = float(self.xtc_threshold)
+        if self.stream_options is not None:
+            usage = self.stream_options.get("include_usage", False)
+            self.stream_options = {"include_usage": usage}
+        super().validate_model_parameters()
+
     def handle_completion(self, request, stop_words):
         state = self.state
         provider = state.provider
@@ -141,11 +159,16 @@ class Handler(APIHandler):
                 self.requested_model, self.adapter, self.requested_draft_model
             )
             prompt_tokens = self._prompt_tokens(request)
+            check_length(prompt_tokens, self.max_tokens, state.limits)
             need = state.estimate.request_bytes(prompt_tokens, self.max_tokens)
             state.ledger.admit(need)
         except Refused as e:
             log.warning("refused (%d): %s", e.status, e)
             self._send_error(e.status, str(e))
+            return
+        except BadRequest as e:
+            log.warning("refused (400): %s", e)
+            self._send_error(400, str(e))
             return
         except Exception as e:  # a prompt the template cannot take, say
             self._send_error(400, f"cannot read the request: {e}")
@@ -175,6 +198,10 @@ class Handler(APIHandler):
             prompt = self.state.generator._tokenize(
                 self.state.provider.tokenizer, copy.deepcopy(request), args
             )[0]
+        # chat_template_kwargs can make the template return text or a dict,
+        # which the generation thread would fail on outside its error handling
+        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            raise BadRequest("chat_template_kwargs: the chat template gave no tokens")
         return len(prompt)
 
     def handle_models_request(self):
@@ -209,6 +236,7 @@ def run(cli_args, model, algo, options, *, max_kv_bytes=None, quantized=None):
         estimate=KVEstimate(provider.patch),
         ledger=KVLedger(max_kv_bytes, prompt_cache),
         tokenizer_lock=threading.Lock(),
+        limits=model_limits(provider.model),
     )
     state.generator = ResponseGenerator(provider, prompt_cache)
     log.info(
