@@ -4,8 +4,9 @@
   caches can batch; mlx-lm's provider would load any model a request names,
   unpatched, so every other name is refused here.
 - `Handler` (mlx-lm's APIHandler) refuses other models, adapters and draft
-  models, checks every field and the prompt's length (`checks`), and reserves
-  each request's KV bytes before queueing it (`kv`).
+  models, checks every field and the prompt's length (`checks`), reserves
+  each request's KV bytes before queueing it (`kv`), and stops a request whose
+  client left or that a SIGTERM/SIGINT cuts (`cuts`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from types import SimpleNamespace
 from mlx_lm.server import (
     APIHandler,
     ModelProvider,
-    ResponseGenerator,
     _run_http_server,
 )
 
 from .checks import BadRequest, check_body, check_length, model_limits
+from .cuts import CLIENT_GONE, Cut, CuttableGenerator, client_gone, stop_on_signals
 from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused
 
 log = logging.getLogger("veloxpatch.serve")
@@ -151,6 +152,10 @@ class Handler(APIHandler):
             self.stream_options = {"include_usage": usage}
         super().validate_model_parameters()
 
+    def end_headers(self):
+        super().end_headers()
+        self.headers_sent = True  # after this a cut can only end the stream
+
     def handle_completion(self, request, stop_words):
         state = self.state
         provider = state.provider
@@ -185,10 +190,43 @@ class Handler(APIHandler):
             f"{state.prompt_cache.nbytes:,}",
             "none" if state.ledger.cap is None else f"{state.ledger.cap:,}",
         )
+        cut = None
+        with state.generator.watching(lambda: client_gone(self.connection)) as w:
+            try:
+                super().handle_completion(request, stop_words)
+            except Cut as e:
+                cut = e
+            except (BrokenPipeError, ConnectionResetError):  # a stream's write
+                cut = Cut(CLIENT_GONE, w.tokens)
+            finally:
+                state.ledger.release(need)
+            if cut is not None:
+                self._answer_cut(cut, need)
+
+    def _answer_cut(self, cut: Cut, released: int) -> None:
+        """mlx-lm's handler has stopped the generation (ctx.stop()) and the
+        reservation is back; tell the client why, if it is still there."""
+        log.warning(
+            "request cut (%s) after %d generated tokens: generation stopped, "
+            "%s reserved KV bytes released",
+            cut.reason,
+            cut.tokens,
+            f"{released:,}",
+        )
+        self.close_connection = True
+        if cut.reason == CLIENT_GONE:
+            return
+        message = f"{cut.reason}: request cut after {cut.tokens} generated tokens"
         try:
-            super().handle_completion(request, stop_words)
-        finally:
-            state.ledger.release(need)
+            if getattr(self, "headers_sent", False):  # a stream: an error event
+                error = {"message": message, "type": "server_error", "code": 503}
+                self.wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+                self.wfile.flush()
+            else:  # mlx-lm's 200 headers are still only buffered: drop them
+                self._headers_buffer = []
+                self._send_error(503, message)
+        except OSError:
+            pass
 
     def _prompt_tokens(self, request) -> int:
         """The prompt's length, tokenized as the generation thread will (on a
@@ -238,7 +276,7 @@ def run(cli_args, model, algo, options, *, max_kv_bytes=None, quantized=None):
         tokenizer_lock=threading.Lock(),
         limits=model_limits(provider.model),
     )
-    state.generator = ResponseGenerator(provider, prompt_cache)
+    state.generator = CuttableGenerator(provider, prompt_cache)
     log.info(
         "serving %s patched with %s %s; KV cap %s",
         provider.served_name(),
@@ -247,6 +285,14 @@ def run(cli_args, model, algo, options, *, max_kv_bytes=None, quantized=None):
         "none" if max_kv_bytes is None else f"{max_kv_bytes:,} bytes",
     )
     handler = type("Handler", (Handler,), {"state": state})
+    stop_on_signals()
     _run_http_server(
         cli_args.host, cli_args.port, state.generator, handler_class=handler
     )
+    # a signal stopped it: requests are answered; a generation step still
+    # running would hold the interpreter's exit (its thread is not a daemon)
+    if state.generator.busy():
+        log.warning("generation still running a step: exiting without it")
+        logging.shutdown()
+        os._exit(0)
+    log.info("stopped")
