@@ -278,7 +278,7 @@ def in_flight(server, stream, results):
 
 
 @smollm
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
 def test_a_signal_cuts_requests_in_flight_and_the_server_exits(signum):
     with running_server("--algo", "full", "--max-tokens", "4") as srv:
         results = {}
@@ -307,3 +307,29 @@ def test_a_signal_cuts_requests_in_flight_and_the_server_exits(signum):
         assert "server shutting down" in json.loads(last[6:])["error"]["message"]
         assert "[DONE]" not in body
         assert group_members(srv.proc.pid) == []
+
+
+@smollm
+def test_sigterm_during_a_long_prefill_exits_without_waiting_for_it():
+    # a ~7,900-token prompt: its prefill takes seconds; the server answers 503
+    # and exits without waiting for the generation thread's step to end
+    with running_server("--algo", "full", "--max-tokens", "4") as srv:
+        results = {}
+        body = {"messages": [{"role": "user", "content": "word " * 7900}]}
+
+        def send():
+            results["r"] = srv.post({**body, "max_tokens": 16})
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        wait_for(lambda: "max_tokens 16" in srv.log.read_text())
+        time.sleep(1.0)  # prefilling
+        start = time.monotonic()
+        os.kill(srv.pid, signal.SIGTERM)
+        srv.proc.wait(timeout=10)
+        took = time.monotonic() - start
+        thread.join(timeout=10)
+        print(f"SIGTERM mid-prefill: server exited {took:.2f} s after")
+        assert took < 5
+        status, text = results["r"]
+        assert status == 503 and "server shutting down" in text

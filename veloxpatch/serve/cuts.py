@@ -119,7 +119,7 @@ class CuttableGenerator(ResponseGenerator):
                     watch.tokens += 1
             return item
 
-    def stop_and_join(self, grace_s: float = 1.5):
+    def stop_and_join(self, grace_s: float = 1.0):
         """mlx-lm calls this once serving stops: cut every request (each
         thread answers its client), then stop the generation thread, waiting
         at most `grace_s` in all; `run` exits even if a step still runs."""
