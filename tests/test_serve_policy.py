@@ -131,3 +131,13 @@ def test_a_request_continuing_a_kept_cache_is_kept_for_the_next_turn(algo):
         assert reused >= len(first)
         _, _, again = serve(model, store, second + ASK_A)
         assert again >= len(second)
+
+
+def test_the_same_prompt_again_has_a_token_left_to_prefill():
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "snapkv", budget=24, window=8) as patch:
+        patch.keep_snapshots = True
+        store = BoundedPromptCache()
+        first = serve(model, store, DOC + ASK_A)
+        again = serve(model, store, DOC + ASK_A)
+    assert again[2] == len(DOC + ASK_A) - 1 and again[0] == first[0]

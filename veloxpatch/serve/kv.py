@@ -24,7 +24,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 from ..memory import full_kv_bytes, full_rows, kv_bytes
 
@@ -135,7 +139,15 @@ class BoundedPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model, tokens):
         with self._lock:
-            return super().fetch_nearest_cache(model, tokens)
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is not None and not rest and tokens:
+            # an entry of exactly this prompt (kept_for_later stores prompts):
+            # mlx-lm needs a token to prefill, so give the last one back
+            if not can_trim_prompt_cache(cache):
+                return None, tokens
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        return cache, rest
 
     def trim_to(self, *, n_sequences=None, n_bytes=None):
         with self._lock:
