@@ -60,9 +60,31 @@ def check_alone(model, patch, token_ids, caches, max_tokens=MAX_TOKENS):
         own = patch.make_cache()
         toks, _ = greedy(model, mx.array(p), max_tokens[i], STEP, prompt_cache=own)
         assert token_ids[i] == toks, f"sequence {i}"
-        assert kept(caches[i]) == kept(own), f"sequence {i}"
+        if kept(caches[i]) != kept(own) and patch.algo == "knorm":
+            assert_swaps_are_near_ties(caches[i], own)
+        else:
+            assert kept(caches[i]) == kept(own), f"sequence {i}"
         if patch.algo != "full":  # full's extracted rows drop the spare capacity
             assert sum(c.nbytes for c in caches[i]) == sum(c.nbytes for c in own)
+
+
+def assert_swaps_are_near_ties(batched, alone, rtol=1e-4):
+    """knorm ranks keys by their norm: keys computed in a batch of three and
+    alone differ by float noise (BLAS kernels differ by shape), which may swap
+    rows whose norms tie to that noise. Every row one set has and the other
+    lacks must have a norm within `rtol` of a row the other has instead."""
+    ours = [(a, b) for a, b in zip(batched, alone) if hasattr(a, "positions_view")]
+    for a, b in ours:
+        assert a.offset == b.offset and a.rows == b.rows
+        pa, pb = a.positions_view().tolist(), b.positions_view().tolist()
+        na = mx.linalg.norm(a._view()[0], axis=-1).tolist()
+        nb = mx.linalg.norm(b._view()[0], axis=-1).tolist()
+        for h in range(len(pa[0])):
+            only_a = [n for p, n in zip(pa[0][h], na[0][h]) if p not in pb[0][h]]
+            only_b = [n for p, n in zip(pb[0][h], nb[0][h]) if p not in pa[0][h]]
+            assert len(only_a) == len(only_b) <= 2, (a.layer, h)
+            for x, y in zip(sorted(only_a), sorted(only_b)):
+                assert abs(x - y) <= rtol * max(abs(x), abs(y)), (a.layer, h, x, y)
 
 
 def model_for(arch, algo):
