@@ -420,11 +420,17 @@ def test_a_long_later_prompt_is_compressed_to_the_budget():
     assert all(c.offset == caches[0].offset >= 80 for c in caches)
 
 
-def test_without_a_tokenizer_the_prompt_window_scores():
+@pytest.mark.parametrize("tokenizer,reconstruct", [(None, True), (TOK, False)])
+def test_without_reconstruction_the_prompt_window_scores(
+    monkeypatch, tokenizer, reconstruct
+):
+    from veloxpatch import context
+
+    monkeypatch.setattr(context, "reconstruct", None)  # would fail if called
     model = tiny_model("llama")
-    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, window=4) as patch:
-        assert patch.tokenizer is None
-        caches = patch.make_cache()
+    opts = dict(budget=12, sinks=2, window=4, reconstruct=reconstruct)
+    with veloxpatch.patched(model, "kvzip", tokenizer=tokenizer, **opts):
+        caches = model.make_cache()
         greedy(model, prompt_tokens(40), n=3, prompt_cache=caches)
     assert all(c.context_rows is not None for c in caches)
     assert sum(c.rows for c in caches) <= (12 + 4) * len(caches)

@@ -79,7 +79,10 @@ class KVzipOptions(EvictionOptions):
     `decode`: "attention" or "frozen", what generated tokens do (see above).
     `recent`: the context's newest rows every head keeps, like the sinks.
     `tail`: the context's last `tail` queries also score (the maximum of their
-    probability and KVzip's): what a continuation of the context reads."""
+    probability and KVzip's): what a continuation of the context reads.
+    `reconstruct`: run the reconstruction pass inside mlx-lm's generate
+    functions when the ids are known (False: the prompt's window scores there,
+    at no extra cost; `patch.prefill` always reconstructs)."""
 
     floor: float = 0.5
     recent: int = 0
@@ -89,6 +92,7 @@ class KVzipOptions(EvictionOptions):
     layerwise: bool = False
     plus: bool = False
     decode: str = "attention"
+    reconstruct: bool = True
 
     def decode_extra_rows(self):
         return self.window  # generated rows held on top of the compressed ones
@@ -111,7 +115,7 @@ class KVzipOptions(EvictionOptions):
                 "kvzip allocates rows over the whole model itself; "
                 "head_budget is not one of its options"
             )
-        for name in ("layerwise", "plus"):
+        for name in ("layerwise", "plus", "reconstruct"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"{name} must be true or false, got {getattr(self, name)!r}"
