@@ -8,7 +8,7 @@ import textwrap
 
 import click
 
-from . import blas
+from . import blas, cli_calibrate, cli_compress, cli_eval, cli_serve
 from .cli_checks import (
     Count,
     Finite,
@@ -19,14 +19,20 @@ from .cli_checks import (
     user_errors,
 )
 
-_user_errors = user_errors  # the name the subcommand modules import
-
 
 @click.group(cls=Group)
 @click.version_option(package_name="veloxpatch")
 def main():
     """Query-aware KV-cache compression for mlx-lm models."""
     blas.preload()  # before anything below imports mlx
+
+
+# each subcommand module defines its command; the group only gathers them
+main.add_command(cli_calibrate.calibrate)
+main.add_command(cli_compress.compress)
+main.add_command(cli_eval.eval_)
+main.add_command(cli_eval.bench)
+main.add_command(cli_serve.serve)
 
 
 @main.command()
@@ -75,7 +81,7 @@ def main():
     help="a context compressed by `veloxpatch compress`: the prompt is a question "
     "about it (the file gives the algorithm)",
 )
-@_user_errors
+@user_errors
 def generate(
     model,
     algo,
@@ -179,7 +185,7 @@ def list_(verbose):
 
 @main.command("adapter-check")
 @click.argument("cls", metavar="MODULE.CLASS")
-@_user_errors
+@user_errors
 def adapter_check(cls):
     """Signature and source hash of an attention class's __call__, as an
     adapter pins them (same as `python -m model_adapters.check`)."""
@@ -192,11 +198,5 @@ def adapter_check(cls):
     sys.exit(check.main([cls]))
 
 
-from . import cli_calibrate, cli_compress, cli_eval, cli_serve  # noqa: E402, F401
-
 if __name__ == "__main__":
-    # `python -m` runs this file as __main__, a second copy of the module: the
-    # commands are registered on veloxpatch.cli's group, so run that one.
-    from veloxpatch.cli import main as registered
-
-    registered()
+    main()

@@ -7,7 +7,6 @@ import sys
 
 import click
 
-from .cli import _user_errors, main
 from .cli_checks import (
     Count,
     NonEmpty,
@@ -16,12 +15,13 @@ from .cli_checks import (
     UserError,
     refuse_existing,
     refuse_unread,
+    user_errors,
 )
 
 SUFFIX = ".safetensors"  # mx.save_safetensors appends it to a name without it
 
 
-@main.command()
+@click.command()
 @click.option(
     "--model", type=NonEmpty(), default=None, help="default: the embedded SmolLM2"
 )
@@ -48,7 +48,7 @@ SUFFIX = ".safetensors"  # mx.save_safetensors appends it to a name without it
 @click.option(
     "--far-position", type=int, default=2048, show_default=True, help="a2ats: b"
 )
-@_user_errors
+@user_errors
 def calibrate(model, algo, out, force, tokens, text, seed, codebook_size, far_position):
     """Calibrate ALGO (qfilters, a2ats) on the model's own queries; save to OUT."""
     import mlx.core as mx

@@ -9,8 +9,14 @@ import time
 
 import click
 
-from .cli import _user_errors, main
-from .cli_checks import NonEmpty, OutputFile, UserError, algo_options, refuse_existing
+from .cli_checks import (
+    NonEmpty,
+    OutputFile,
+    UserError,
+    algo_options,
+    refuse_existing,
+    user_errors,
+)
 
 MARK = "\x00veloxpatch-question\x00"
 
@@ -25,7 +31,7 @@ def split_turn(tokenizer, text: str, chat: bool | None):
     return head, tail
 
 
-@main.command()
+@click.command()
 @click.option(
     "--model", type=NonEmpty(), default=None, help="default: the embedded SmolLM2"
 )
@@ -42,7 +48,7 @@ def split_turn(tokenizer, text: str, chat: bool | None):
 @click.option("--out", type=OutputFile(".safetensors"), required=True)
 @click.option("--force", is_flag=True, help="overwrite --out if it exists")
 @click.option("--chat/--no-chat", default=None, help="default: when the model has one")
-@_user_errors
+@user_errors
 def compress(model, context_path, algo, budget, algo_args, out, force, chat):
     """Prefill and compress a context with no question; save its cache to OUT."""
     from .api import apply, make_options

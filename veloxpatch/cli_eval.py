@@ -7,7 +7,6 @@ import sys
 
 import click
 
-from .cli import _user_errors, main
 from .cli_checks import (
     Count,
     Counts,
@@ -17,6 +16,7 @@ from .cli_checks import (
     UserError,
     refuse_existing,
     refuse_unread,
+    user_errors,
 )
 
 
@@ -146,7 +146,7 @@ def _with(options):
     return wrap
 
 
-@main.command("eval")
+@click.command("eval")
 @_with(common)
 @click.option("--tasks", default="passkey,ppl,agreement", show_default=True)
 @click.option("--context", type=int, default=1500, show_default=True)
@@ -193,7 +193,7 @@ def _with(options):
     default=None,
     help="image (PNG, PDF, SVG...): quality against budget",
 )
-@_user_errors
+@user_errors
 def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_options):
     """Passkey accuracy, perplexity and agreement with full, per arm."""
     from . import models
@@ -241,12 +241,12 @@ def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_opt
     click.echo(f"results: {out}")
 
 
-@main.command("bench")
+@click.command("bench")
 @_with(common)
 @click.option("--contexts", type=Counts(1), default="1000,2000,4000", show_default=True)
 @click.option("--repeats", type=Count(1), default=3, show_default=True)
 @click.option("--decode-tokens", type=Count(1), default=32, show_default=True)
-@_user_errors
+@user_errors
 def bench(
     model,
     arms,

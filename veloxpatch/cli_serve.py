@@ -13,8 +13,7 @@ from unittest import mock
 
 import click
 
-from .cli import _user_errors, main
-from .cli_checks import NonEmpty, UserError, algo_options
+from .cli_checks import NonEmpty, UserError, algo_options, user_errors
 
 # mlx-lm server flags that would bypass or break the patch: refused up front
 REFUSED = {
@@ -92,7 +91,7 @@ class ServeCommand(click.Command):
         formatter.write("\n" + mlx_flags_help(mlx_server_parser()))
 
 
-@main.command(
+@click.command(
     cls=ServeCommand,
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
 )
@@ -121,7 +120,7 @@ class ServeCommand(click.Command):
     help="keep quantized weights (default: dequantize on the CPU)",
 )
 @click.pass_context
-@_user_errors
+@user_errors
 def serve(ctx, model, algo, budget, algo_args, max_kv_bytes, quantized):
     """Serve a patched model with mlx-lm's OpenAI-compatible server.
 
