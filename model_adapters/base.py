@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from veloxpatch.sharding import LOCAL, Shards
 
@@ -93,6 +95,8 @@ class ModelDims:
     # how the model is split across processes (veloxpatch.sharding); the
     # counts above are this rank's (its heads, its layers)
     shards: Shards = LOCAL
+    # what identifies the model for its calibration files (`fingerprint`)
+    fingerprint: dict | None = None
 
     @property
     def layers(self) -> int:
@@ -157,6 +161,7 @@ class Adapter:
                 for i, la in enumerate(model.layers)
             ),
             shards=shards,
+            fingerprint=fingerprint(model),
         )
 
 
@@ -179,3 +184,44 @@ def model_type(model) -> str:
     if mt is None:
         mt = getattr(getattr(model, "args", None), "model_type", None)
     return str(mt)
+
+
+def _weight_sample(linear) -> np.ndarray:
+    """The first 8 rows x 64 columns of a Linear's weight, dequantized if needed
+    (with float32 scales, as models.dequantize_to_float32 does), in fp16."""
+    w = linear.weight
+    if "scales" in linear:
+        biases = linear.get("biases")
+        w = mx.dequantize(
+            w,
+            linear.scales.astype(mx.float32),
+            None if biases is None else biases.astype(mx.float32),
+            group_size=linear.group_size,
+            bits=linear.bits,
+        )
+    return np.array(w[:8, :64].astype(mx.float16))
+
+
+def fingerprint(model) -> dict:
+    """What identifies a model for its calibration: shape, RoPE and a hash of a
+    fixed sample of attention weights in fp16 (quantized or not, any OS)."""
+    attn = [layer.self_attn for layer in model.layers]
+    args = getattr(model, "args", None)
+    digest = hashlib.sha256()
+    for i in sorted({0, len(attn) // 2, len(attn) - 1}):
+        for name in ("q_proj", "k_proj"):
+            digest.update(_weight_sample(getattr(attn[i], name)).tobytes())
+    rope = {
+        k: getattr(args, k, None)
+        for k in ("rope_theta", "rope_scaling", "rope_traditional")
+    }
+    q = attn[0]
+    return {
+        "model_type": model_type(model),
+        "layers": len(attn),
+        "heads": int(q.n_heads),
+        "kv_heads": int(q.n_kv_heads),
+        "head_dim": head_dim(q),
+        "rope": json.loads(json.dumps(rope, default=str)),
+        "weights_sha256": digest.hexdigest(),
+    }

@@ -115,7 +115,7 @@ class Patch:
 
     def _for_budget(self, max_kv_size: int):
         if max_kv_size not in self._by_budget:
-            opts = mlx_flags.budget_options(self.algo, self.requested, max_kv_size)
+            opts = mlx_flags.budget_options(self.cache_cls, self.requested, max_kv_size)
             cls, bound = make_options(self.cache_cls, opts, self.model)
             self._by_budget[max_kv_size] = (cls.for_options(bound), bound)
         return self._by_budget[max_kv_size]

@@ -1,6 +1,7 @@
-"""Calibration files: their formats, the model fingerprint they carry, reading
-and writing them. Caches read these files (through `Options.bind`); running a
-calibration, which patches a model, lives apart (`calibration.py`, `codebook.py`).
+"""Calibration files: writing them with the model's fingerprint, and reading
+them for a model (the caches read them through `Options.bind` with
+`calibration_format`, which this wraps). Running a calibration, which patches a
+model, lives apart (`calibration.py`, `codebook.py`).
 
 A file is safetensors with a format string, the model's fingerprint and, per
 patched layer, its arrays, written at exactly the path given with a checksum
@@ -14,62 +15,29 @@ calibration arrays.
 
 from __future__ import annotations
 
-import hashlib
 import json
 
-import mlx.core as mx
-import numpy as np
+from model_adapters import adapter_for
+from model_adapters.base import fingerprint
 
-from .caches.qfilters import group_mean
-from .checked_io import load_checked, save_checked, verify
+from . import calibration_format
+from .calibration_format import (
+    CODEBOOK_FORMAT,
+    QFILTERS_FORMAT,
+    group_mean,
+    with_norms,
+)
+from .checked_io import save_checked
 from .errors import CalibrationError
 
-QFILTERS_FORMAT = "veloxpatch-qfilters/1"
-CODEBOOK_FORMAT = "veloxpatch-a2ats/1"
-
-
-# ---- model fingerprint ------------------------------------------------------------
-def _weight_sample(linear) -> np.ndarray:
-    """The first 8 rows x 64 columns of a Linear's weight, dequantized if needed
-    (with float32 scales, as models.dequantize_to_float32 does), in fp16."""
-    w = linear.weight
-    if "scales" in linear:
-        biases = linear.get("biases")
-        w = mx.dequantize(
-            w,
-            linear.scales.astype(mx.float32),
-            None if biases is None else biases.astype(mx.float32),
-            group_size=linear.group_size,
-            bits=linear.bits,
-        )
-    return np.array(w[:8, :64].astype(mx.float16))
-
-
-def fingerprint(model) -> dict:
-    """What identifies a model for its calibration: shape, RoPE and a hash of a
-    fixed sample of attention weights in fp16 (quantized or not, any OS)."""
-    from model_adapters.base import head_dim, model_type
-
-    attn = [layer.self_attn for layer in model.layers]
-    args = getattr(model, "args", None)
-    digest = hashlib.sha256()
-    for i in sorted({0, len(attn) // 2, len(attn) - 1}):
-        for name in ("q_proj", "k_proj"):
-            digest.update(_weight_sample(getattr(attn[i], name)).tobytes())
-    rope = {
-        k: getattr(args, k, None)
-        for k in ("rope_theta", "rope_scaling", "rope_traditional")
-    }
-    q = attn[0]
-    return {
-        "model_type": model_type(model),
-        "layers": len(attn),
-        "heads": int(q.n_heads),
-        "kv_heads": int(q.n_kv_heads),
-        "head_dim": head_dim(q),
-        "rope": json.loads(json.dumps(rope, default=str)),
-        "weights_sha256": digest.hexdigest(),
-    }
+__all__ = [
+    "fingerprint",
+    "load_codebook",
+    "load_filters",
+    "save_codebook",
+    "save_filters",
+    "with_norms",
+]
 
 
 # ---- files -----------------------------------------------------------------------
@@ -84,15 +52,6 @@ def _write(path, arrays: dict, model, fmt: str, algo: str, info, **extra) -> Non
     save_checked(path, arrays, meta, CalibrationError)
 
 
-def _patched_layers(model, dims) -> list[int]:
-    """The layers a veloxpatch cache serves (sliding-window layers do not)."""
-    if dims is None:
-        from model_adapters import adapter_for
-
-        dims = adapter_for(model).dims(model)
-    return [i for i, sliding in enumerate(dims.sliding) if not sliding]
-
-
 def save_filters(path, per_head: list, model, info: dict | None = None):
     """Write per-layer query-head filters (and their GQA means) with the model's
     fingerprint; layers given as None (sliding-window layers) are left out."""
@@ -103,85 +62,6 @@ def save_filters(path, per_head: list, model, info: dict | None = None):
             arrays[f"layer.{i}.query_heads"] = f
             arrays[f"layer.{i}.kv_heads"] = group_mean(f, kv)
     _write(path, arrays, model, QFILTERS_FORMAT, "qfilters", info)
-
-
-def read_checked(path, model, fmt: str, what: str):
-    """(arrays, metadata, our fingerprint) of a calibration file, after checking
-    that it exists, is readable and intact, has format `fmt` and matches
-    `model`."""
-    from model_adapters import adapter_for
-
-    if adapter_for(model).shards(model).split:
-        # the fingerprint and the per-head arrays describe the whole model
-        raise CalibrationError(
-            f"{what} files cannot be used on a sharded model (model.shard or "
-            "pipeline) yet; run without the file"
-        )
-    arrays, meta = load_checked(path, CalibrationError, what)
-    if meta.get("format") != fmt:
-        raise CalibrationError(
-            f"{path} is not a veloxpatch {what} file (format "
-            f"{meta.get('format')!r}, expected {fmt!r})"
-        )
-    verify(path, arrays, meta, CalibrationError, what)
-    try:
-        theirs = json.loads(meta["fingerprint"])
-    except (KeyError, ValueError):
-        theirs = None
-    if not isinstance(theirs, dict):
-        raise CalibrationError(f"{path}: damaged fingerprint")
-    ours = fingerprint(model)
-    if theirs != ours:
-        diff = sorted(k for k in ours if theirs.get(k) != ours[k])
-        raise CalibrationError(
-            f"{path} was calibrated for another model (differs in: "
-            f"{', '.join(diff) or 'fields'})"
-        )
-    return arrays, meta, ours
-
-
-# A unit vector in float32 (an SVD's singular vector) is 1 to ~1e-7.
-UNIT_TOLERANCE = 1e-4
-
-
-def _norms(x: mx.array) -> np.ndarray:
-    return np.linalg.norm(np.array(x, np.float64), axis=-1)
-
-
-def load_filters(path, model, dims=None) -> list:
-    """Per layer [Hkv, D] filters from `path`, checked against `model` (None for
-    sliding-window layers). Each query head's filter is a unit vector and each
-    KV head's is their mean over its group, so of norm in (0, 1]."""
-    arrays, _, ours = read_checked(path, model, QFILTERS_FORMAT, "Q-Filters")
-    shape = {
-        "query_heads": (ours["heads"], ours["head_dim"]),
-        "kv_heads": (ours["kv_heads"], ours["head_dim"]),
-    }
-    filters = [None] * ours["layers"]
-    for i in _patched_layers(model, dims):
-        f = {k: arrays.get(f"layer.{i}.{k}") for k in shape}
-        if any(f[k] is None or f[k].shape != shape[k] for k in shape):
-            raise CalibrationError(f"{path}: damaged, layer {i} filters missing")
-        if not all(bool(mx.isfinite(v).all().item()) for v in f.values()):
-            raise CalibrationError(f"{path}: damaged, layer {i} filters not finite")
-        q, kv = _norms(f["query_heads"]), _norms(f["kv_heads"])
-        mean = group_mean(f["query_heads"].astype(mx.float32), ours["kv_heads"])
-        if (
-            np.abs(q - 1).max() > UNIT_TOLERANCE
-            or not (kv > 0).all()
-            or kv.max() > 1 + UNIT_TOLERANCE
-            or np.abs(np.array(mean) - np.array(f["kv_heads"])).max() > UNIT_TOLERANCE
-        ):
-            raise CalibrationError(
-                f"{path}: damaged, layer {i} filters are not unit vectors (query "
-                "heads) and their group means (KV heads)"
-            )
-        filters[i] = f["kv_heads"].astype(mx.float32)
-    return filters
-
-
-def with_norms(book: dict) -> dict:
-    return {**book, "tnorm2": (book["tcentroids"] ** 2).sum(-1)}
 
 
 def save_codebook(path, books: list, model, far_position: int, info=None):
@@ -198,75 +78,12 @@ def save_codebook(path, books: list, model, far_position: int, info=None):
     _write(path, arrays, model, CODEBOOK_FORMAT, "a2ats", info, far_position=far)
 
 
+def load_filters(path, model, dims=None) -> list:
+    """Q-Filters of `path` checked against `model` (`calibration_format`)."""
+    return calibration_format.load_filters(path, dims or adapter_for(model).dims(model))
+
+
 def load_codebook(path, model, far_position: int, dims=None) -> list:
-    """Per layer {transform, tcentroids, centroids, tnorm2} (None for
-    sliding-window layers), checked against `model` and against the b the caches
-    will rotate queries to."""
-    arrays, meta, ours = read_checked(path, model, CODEBOOK_FORMAT, "A2ATS codebook")
-    far = meta.get("far_position")
-    if not (isinstance(far, str) and far.isascii() and far.isdigit()):
-        raise CalibrationError(f"{path}: damaged, far_position {far!r} is not a number")
-    if int(far) != far_position:
-        raise CalibrationError(
-            f"{path} was calibrated with far_position {far}, not {far_position}"
-        )
-    books = [None] * ours["layers"]
-    for i in _patched_layers(model, dims):
-        book = {
-            k: arrays.get(f"layer.{i}.{k}")
-            for k in ("transform", "tcentroids", "centroids")
-        }
-        if any(v is None for v in book.values()):
-            raise CalibrationError(f"{path}: damaged, layer {i} codebook missing")
-        why = _book_fault(book, ours["kv_heads"], ours["head_dim"])
-        if why:
-            raise CalibrationError(f"{path}: damaged, layer {i} codebook {why}")
-        books[i] = with_norms(book)
-    return books
-
-
-# centroids @ transform gives tcentroids to float32 rounding times the
-# condition number of L (at most sqrt(D / RIDGE), ~250 for D = 64): ~1e-5.
-CONSISTENCY = 1e-3
-
-
-def _book_fault(book: dict, kv_heads: int, head_dim: int) -> str | None:
-    """Why `book` is not what `codebook.layer_codebook` writes, or None: L is
-    the Cholesky factor of H (lower triangular, positive diagonal, |L|_F^2 =
-    trace H = D(1 + RIDGE), or D for H = I), tcentroids = centroids @ L, the
-    centroids (k-means over distinct keys) do not all coincide, and the squared
-    norms the cache computes in float32 are finite."""
-    from .codebook import RIDGE
-
-    lower, tc, c = (
-        np.array(book[k], np.float64) for k in ("transform", "tcentroids", "centroids")
-    )
-    if (
-        lower.shape != (kv_heads, head_dim, head_dim)
-        or c.shape != tc.shape
-        or c.ndim != 3
-        or c.shape[0] != kv_heads
-        or c.shape[1] < 1
-        or c.shape[2] != head_dim
-    ):
-        return f"has shapes {[tuple(v.shape) for v in book.values()]}"
-    if not all(np.isfinite(x).all() for x in (lower, tc, c)):
-        return "is not finite"
-    big = float(np.finfo(np.float32).max)
-    if max((tc**2).sum(-1).max(), (c**2).sum(-1).max()) >= big:
-        return "overflows float32"
-    diagonal = np.diagonal(lower, axis1=1, axis2=2)
-    trace = (lower**2).sum((1, 2)) / head_dim
-    if (
-        np.triu(lower, 1).any()
-        or (diagonal <= 0).any()
-        or (trace < 1 - CONSISTENCY).any()
-        or (trace > 1 + RIDGE + CONSISTENCY).any()
-    ):
-        return "transform is not a Cholesky factor of a trace-normalised H"
-    err = np.linalg.norm(c @ lower - tc, axis=(1, 2))
-    if (err > CONSISTENCY * np.linalg.norm(tc, axis=(1, 2))).any():
-        return "centroids and transformed centroids disagree"
-    if c.shape[1] > 1 and not (np.abs(c - c[:, :1]).max(axis=(1, 2)) > 0).all():
-        return "centroids all coincide"
-    return None
+    """A2ATS codebooks of `path` checked against `model` and its far position."""
+    dims = dims or adapter_for(model).dims(model)
+    return calibration_format.load_codebook(path, far_position, dims)

@@ -19,11 +19,10 @@ import mlx.core as mx
 import numpy as np
 
 from .caches.a2ats import rope_to
-from .calibration_files import with_norms
+from .calibration_format import RIDGE, with_norms
 from .errors import CalibrationError
 from .probe import rows_at, run_probe, sample_positions
 
-RIDGE = 1e-3  # relative to the normalised H (trace D)
 MAX_KEYS = 16384  # keys captured per layer: a codebook has at most this many codes
 
 

@@ -31,3 +31,12 @@ class FileFormatError(VeloxpatchError):
 
 class CacheFileError(FileFormatError):
     """A saved cache file that is missing, damaged or not a veloxpatch cache."""
+
+
+# raised wherever mlx-lm's kv_bits would reach a veloxpatch cache
+KV_BITS_ERROR = (
+    "mlx-lm's kv_bits quantization is not supported with veloxpatch caches "
+    "(it would silently swap them for a plain quantized cache); drop kv_bits and "
+    "pass it to veloxpatch.apply instead (any evicting algorithm, or "
+    "algo='kivi'), or restore the patch to use mlx-lm's QuantizedKVCache"
+)

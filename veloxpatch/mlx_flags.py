@@ -15,14 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from .errors import UnsupportedCacheOperation
-
-KV_BITS_ERROR = (
-    "mlx-lm's kv_bits quantization is not supported with veloxpatch caches "
-    "(it would silently swap them for a plain quantized cache); drop kv_bits and "
-    "pass it to veloxpatch.apply instead (any evicting algorithm, or "
-    "algo='kivi'), or restore the patch to use mlx-lm's QuantizedKVCache"
-)
+from .errors import KV_BITS_ERROR, UnsupportedCacheOperation
 
 
 def _codes():
@@ -69,13 +62,13 @@ def check_kv_bits(kv_bits) -> None:
         raise UnsupportedCacheOperation(KV_BITS_ERROR)
 
 
-def budget_options(algo: str, options: dict, max_kv_size: int) -> dict:
-    """The options that make `max_kv_size` the budget, or a clear error."""
+def budget_options(cache_cls, options: dict, max_kv_size: int) -> dict:
+    """The options that make `max_kv_size` the budget of `cache_cls`'s
+    algorithm, or a clear error."""
     import dataclasses
 
-    from .api import algorithm
-
-    fields = {f.name for f in dataclasses.fields(algorithm(algo).Options)}
+    algo = cache_cls.name
+    fields = {f.name for f in dataclasses.fields(cache_cls.Options)}
     if "budget" not in fields:
         raise UnsupportedCacheOperation(
             f"max_kv_size={max_kv_size}: {algo!r} has no budget (it keeps every "

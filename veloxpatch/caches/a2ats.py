@@ -24,6 +24,7 @@ import math
 
 import mlx.core as mx
 
+from ..calibration_format import load_codebook
 from ..errors import OptionError, UnsupportedModelError
 from .base import VeloxCache
 from .options import CacheOptions, check_choice, check_int, check_number, check_path
@@ -103,9 +104,7 @@ class A2ATSOptions(CacheOptions):
             if not sliding:
                 check_pure_rotation(rope, d)
         if self.codebook is not None:
-            from ..calibration_files import load_codebook
-
-            self.loaded = load_codebook(self.codebook, model, self.far_position, dims)
+            self.loaded = load_codebook(self.codebook, self.far_position, dims)
         return super().bind(model, dims)
 
 

@@ -13,32 +13,8 @@ from typing import ClassVar
 
 import mlx.core as mx
 
+from .attention_math import query_probs
 from .eviction import EvictingCache
-
-
-def query_probs(q, keys, pos, qstart: int, scale):
-    """Logits and probabilities [B, Hkv, G, L, T] (float32) of queries q
-    [B, Hq, L, D] at positions qstart.. over rows at positions pos [B, Hkv, T],
-    causal on the true positions (hidden logits are -inf)."""
-    B, Hq, L, D = q.shape
-    Hkv, T = keys.shape[1], keys.shape[2]
-    G = Hq // Hkv
-    qg = q.reshape(B, Hkv, G * L, D).astype(mx.float32)
-    if hasattr(keys, "logits"):  # quantized rows, read in place (qview.py)
-        logits = keys.logits(qg).astype(mx.float32) * scale
-    else:
-        logits = (qg @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale
-    logits = logits.reshape(B, Hkv, G, L, T)
-    qpos = mx.arange(qstart, qstart + L, dtype=mx.int32)
-    visible = pos[:, :, None, None, :] <= qpos[None, None, None, :, None]
-    logits = mx.where(visible, logits, -mx.inf)
-    return logits, mx.softmax(logits, axis=-1)
-
-
-def newest_queries(buffer, q: mx.array, n: int) -> mx.array:
-    """The last `n` queries of `buffer` (or None) followed by q, along axis 2."""
-    buf = q if buffer is None else mx.concatenate([buffer, q], axis=2)
-    return buf[:, :, -n:] if buf.shape[2] > n else buf
 
 
 class ProbabilityCache(EvictingCache):

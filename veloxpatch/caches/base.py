@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import _BaseCache
 
-from ..errors import PatchStateError, UnsupportedCacheOperation
+from ..errors import KV_BITS_ERROR, PatchStateError, UnsupportedCacheOperation
 from ..sharding import LOCAL
 from .options import CacheOptions
 from .phase import PromptPhase
@@ -68,7 +68,6 @@ class VeloxCache(RowStorage, _BaseCache):
     wants_token_ids: ClassVar[bool] = False  # the patch sees whole-model calls
     batchable: ClassVar[bool] = False  # `merge` builds a batch (caches/batch.py)
     batch_refusal: ClassVar[str] = "its batch contract is not implemented"
-    batch_layout: ClassVar[str] = "sequence"  # or "full": mlx-lm's BatchKVCache
     _shared_attrs: ClassVar[tuple] = ("options", "shards", "probe", "book")  # deepcopy
     # What a server keeps of this cache for later requests (serve/kv.py):
     # "as_is": the kept set never reads a query, so any state of it is agnostic;
@@ -330,8 +329,6 @@ class VeloxCache(RowStorage, _BaseCache):
 
     # ---- mlx-lm features that would silently drop the algorithm ---------------
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        from ..mlx_flags import KV_BITS_ERROR
-
         raise UnsupportedCacheOperation(KV_BITS_ERROR)
 
     @classmethod
@@ -340,3 +337,11 @@ class VeloxCache(RowStorage, _BaseCache):
         from .batch import merge  # a clear error where `batchable` is False
 
         return merge(cls, caches)
+
+    @classmethod
+    def batch_of(cls, caches):
+        """The batch cache of checked per-sequence caches (default: each keeps
+        its own inside the batch; `full` uses mlx-lm's layout)."""
+        from .batch import sequence_batch
+
+        return sequence_batch(caches)

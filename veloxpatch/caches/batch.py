@@ -26,7 +26,7 @@ import weakref
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from ..errors import UnsupportedCacheOperation
+from ..errors import KV_BITS_ERROR, UnsupportedCacheOperation
 
 __all__ = ["BatchCache", "SequenceBatch", "merge"]
 
@@ -47,12 +47,11 @@ def merge(cls, caches) -> BatchCache:
             "mlx-lm batch generation was given caches of different veloxpatch "
             "algorithms; batch only sequences of one patch"
         )
-    layout = getattr(type(caches[0]), "batch_layout", "sequence")
-    # mlx-lm's layout has no per-sequence hook for a probe: those go one by one.
-    if layout == "full" and all(c.probe is None for c in caches):
-        from .batch_full import FullBatch
+    return cls.batch_of(caches)
 
-        return FullBatch.merge(caches)
+
+def sequence_batch(caches) -> SequenceBatch:
+    """Every sequence keeps its own cache inside the batch."""
     return SequenceBatch([detached(c) for c in caches])
 
 
@@ -121,8 +120,6 @@ class BatchCache(_BaseCache):
         return new
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        from ..mlx_flags import KV_BITS_ERROR
-
         raise UnsupportedCacheOperation(KV_BITS_ERROR)
 
 

@@ -2,10 +2,18 @@
 attention call as mlx-lm's KVCache, so the patched model is bit-identical."""
 
 from .base import VeloxCache
+from .batch import sequence_batch
+from .batch_full import FullBatch
 
 
 class FullCache(VeloxCache):
     name = "full"
     summary = "keeps everything; bit-identical to unpatched mlx-lm (parity reference)"
     batchable = True
-    batch_layout = "full"  # mlx-lm's own BatchKVCache: bit-identical batches
+
+    @classmethod
+    def batch_of(cls, caches):
+        # mlx-lm's layout has no per-sequence hook for a probe: those go one by one
+        if all(c.probe is None for c in caches):
+            return FullBatch.merge(caches)
+        return sequence_batch(caches)

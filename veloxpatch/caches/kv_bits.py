@@ -28,7 +28,7 @@ import functools
 
 import mlx.core as mx
 
-from .attention_probs import newest_queries, query_probs
+from .attention_math import newest_queries, query_probs
 from .kv_options import (  # noqa: F401  (the names callers import from here)
     ADAPTIVE_WIDTHS,
     BITS,

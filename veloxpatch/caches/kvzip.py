@@ -54,7 +54,7 @@ import dataclasses
 import mlx.core as mx
 
 from ..errors import OptionError
-from .attention_probs import newest_queries, query_probs
+from .attention_math import newest_queries, query_probs
 from .eviction import EvictingCache, EvictionOptions
 from .kvzip_choice import compress_together
 from .kvzip_decode import KVzipDecode

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention_probs import newest_queries, query_probs
+from .attention_math import newest_queries, query_probs
 from .base import PAD_POSITION
 from .snapkv import SnapKVOptions, window_score
 

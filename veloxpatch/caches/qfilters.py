@@ -16,15 +16,10 @@ import dataclasses
 
 import mlx.core as mx
 
+from ..calibration_format import group_mean, load_filters
 from ..errors import OptionError
 from .eviction import EvictingCache, EvictionOptions
 from .options import check_int, check_path
-
-
-def group_mean(filters: mx.array, kv_heads: int) -> mx.array:
-    """[Hq, D] -> [Hkv, D]: the mean over the query heads sharing a KV head."""
-    hq, d = filters.shape
-    return filters.reshape(kv_heads, hq // kv_heads, d).mean(axis=1)
 
 
 @dataclasses.dataclass
@@ -48,9 +43,7 @@ class QFiltersOptions(EvictionOptions):
     def bind(self, model, dims):
         """Load and check the filters file against `model` (before patching)."""
         if self.filters is not None:
-            from ..calibration_files import load_filters
-
-            self.loaded = load_filters(self.filters, model, dims)
+            self.loaded = load_filters(self.filters, dims)
         return super().bind(model, dims)
 
 

@@ -22,7 +22,7 @@ import dataclasses
 import mlx.core as mx
 
 from ..errors import OptionError
-from .attention_probs import newest_queries, query_probs
+from .attention_math import newest_queries, query_probs
 from .eviction import EvictingCache, EvictionOptions
 from .options import check_choice, check_int, check_number
 

@@ -1,0 +1,189 @@
+"""Calibration files as the caches read them: their formats, and loading one
+checked against the model it is bound to (`Options.bind` hands over the
+model's dims, which carry its fingerprint). Writing them, which needs the model
+itself, is `calibration_files.py`.
+
+A file is safetensors with a format string, the model's fingerprint and, per
+patched layer, its arrays, written with a checksum (`checked_io`). Loading it
+for another model, or a damaged file, raises CalibrationError: the header is
+checked before mlx reads it, the checksum after, then the values against what
+the calibration guarantees (unit Q-Filters, a Cholesky factor and consistent
+centroids), which catches a file that was written damaged. Sliding-window
+layers keep mlx-lm's cache and have no calibration arrays.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+
+from .checked_io import load_checked, verify
+from .errors import CalibrationError
+
+QFILTERS_FORMAT = "veloxpatch-qfilters/1"
+CODEBOOK_FORMAT = "veloxpatch-a2ats/1"
+RIDGE = 1e-3  # A2ATS: H is regularised by RIDGE x I (relative to trace D)
+
+
+def group_mean(filters: mx.array, kv_heads: int) -> mx.array:
+    """[Hq, D] -> [Hkv, D]: the mean over the query heads sharing a KV head
+    (a Q-Filters file's KV-head filters)."""
+    hq, d = filters.shape
+    return filters.reshape(kv_heads, hq // kv_heads, d).mean(axis=1)
+
+
+def _patched_layers(dims) -> list[int]:
+    """The layers a veloxpatch cache serves (sliding-window layers do not)."""
+    return [i for i, sliding in enumerate(dims.sliding) if not sliding]
+
+
+def read_checked(path, dims, fmt: str, what: str):
+    """(arrays, metadata, our fingerprint) of a calibration file, after checking
+    that it exists, is readable and intact, has format `fmt` and matches the
+    model of `dims` (its fingerprint)."""
+    if dims.shards.split:
+        # the fingerprint and the per-head arrays describe the whole model
+        raise CalibrationError(
+            f"{what} files cannot be used on a sharded model (model.shard or "
+            "pipeline) yet; run without the file"
+        )
+    arrays, meta = load_checked(path, CalibrationError, what)
+    if meta.get("format") != fmt:
+        raise CalibrationError(
+            f"{path} is not a veloxpatch {what} file (format "
+            f"{meta.get('format')!r}, expected {fmt!r})"
+        )
+    verify(path, arrays, meta, CalibrationError, what)
+    try:
+        theirs = json.loads(meta["fingerprint"])
+    except (KeyError, ValueError):
+        theirs = None
+    if not isinstance(theirs, dict):
+        raise CalibrationError(f"{path}: damaged fingerprint")
+    ours = dims.fingerprint
+    if theirs != ours:
+        diff = sorted(k for k in ours if theirs.get(k) != ours[k])
+        raise CalibrationError(
+            f"{path} was calibrated for another model (differs in: "
+            f"{', '.join(diff) or 'fields'})"
+        )
+    return arrays, meta, ours
+
+
+# A unit vector in float32 (an SVD's singular vector) is 1 to ~1e-7.
+UNIT_TOLERANCE = 1e-4
+
+
+def _norms(x: mx.array) -> np.ndarray:
+    return np.linalg.norm(np.array(x, np.float64), axis=-1)
+
+
+def load_filters(path, dims) -> list:
+    """Per layer [Hkv, D] filters from `path`, checked against the model of
+    `dims` (None for sliding-window layers). Each query head's filter is a unit
+    vector and each KV head's is their mean over its group, so of norm in
+    (0, 1]."""
+    arrays, _, ours = read_checked(path, dims, QFILTERS_FORMAT, "Q-Filters")
+    shape = {
+        "query_heads": (ours["heads"], ours["head_dim"]),
+        "kv_heads": (ours["kv_heads"], ours["head_dim"]),
+    }
+    filters = [None] * ours["layers"]
+    for i in _patched_layers(dims):
+        f = {k: arrays.get(f"layer.{i}.{k}") for k in shape}
+        if any(f[k] is None or f[k].shape != shape[k] for k in shape):
+            raise CalibrationError(f"{path}: damaged, layer {i} filters missing")
+        if not all(bool(mx.isfinite(v).all().item()) for v in f.values()):
+            raise CalibrationError(f"{path}: damaged, layer {i} filters not finite")
+        q, kv = _norms(f["query_heads"]), _norms(f["kv_heads"])
+        mean = group_mean(f["query_heads"].astype(mx.float32), ours["kv_heads"])
+        if (
+            np.abs(q - 1).max() > UNIT_TOLERANCE
+            or not (kv > 0).all()
+            or kv.max() > 1 + UNIT_TOLERANCE
+            or np.abs(np.array(mean) - np.array(f["kv_heads"])).max() > UNIT_TOLERANCE
+        ):
+            raise CalibrationError(
+                f"{path}: damaged, layer {i} filters are not unit vectors (query "
+                "heads) and their group means (KV heads)"
+            )
+        filters[i] = f["kv_heads"].astype(mx.float32)
+    return filters
+
+
+def with_norms(book: dict) -> dict:
+    return {**book, "tnorm2": (book["tcentroids"] ** 2).sum(-1)}
+
+
+def load_codebook(path, far_position: int, dims) -> list:
+    """Per layer {transform, tcentroids, centroids, tnorm2} (None for
+    sliding-window layers), checked against the model of `dims` and against the
+    b the caches will rotate queries to."""
+    arrays, meta, ours = read_checked(path, dims, CODEBOOK_FORMAT, "A2ATS codebook")
+    far = meta.get("far_position")
+    if not (isinstance(far, str) and far.isascii() and far.isdigit()):
+        raise CalibrationError(f"{path}: damaged, far_position {far!r} is not a number")
+    if int(far) != far_position:
+        raise CalibrationError(
+            f"{path} was calibrated with far_position {far}, not {far_position}"
+        )
+    books = [None] * ours["layers"]
+    for i in _patched_layers(dims):
+        book = {
+            k: arrays.get(f"layer.{i}.{k}")
+            for k in ("transform", "tcentroids", "centroids")
+        }
+        if any(v is None for v in book.values()):
+            raise CalibrationError(f"{path}: damaged, layer {i} codebook missing")
+        why = _book_fault(book, ours["kv_heads"], ours["head_dim"])
+        if why:
+            raise CalibrationError(f"{path}: damaged, layer {i} codebook {why}")
+        books[i] = with_norms(book)
+    return books
+
+
+# centroids @ transform gives tcentroids to float32 rounding times the
+# condition number of L (at most sqrt(D / RIDGE), ~250 for D = 64): ~1e-5.
+CONSISTENCY = 1e-3
+
+
+def _book_fault(book: dict, kv_heads: int, head_dim: int) -> str | None:
+    """Why `book` is not what `codebook.layer_codebook` writes, or None: L is
+    the Cholesky factor of H (lower triangular, positive diagonal, |L|_F^2 =
+    trace H = D(1 + RIDGE), or D for H = I), tcentroids = centroids @ L, the
+    centroids (k-means over distinct keys) do not all coincide, and the squared
+    norms the cache computes in float32 are finite."""
+    lower, tc, c = (
+        np.array(book[k], np.float64) for k in ("transform", "tcentroids", "centroids")
+    )
+    if (
+        lower.shape != (kv_heads, head_dim, head_dim)
+        or c.shape != tc.shape
+        or c.ndim != 3
+        or c.shape[0] != kv_heads
+        or c.shape[1] < 1
+        or c.shape[2] != head_dim
+    ):
+        return f"has shapes {[tuple(v.shape) for v in book.values()]}"
+    if not all(np.isfinite(x).all() for x in (lower, tc, c)):
+        return "is not finite"
+    big = float(np.finfo(np.float32).max)
+    if max((tc**2).sum(-1).max(), (c**2).sum(-1).max()) >= big:
+        return "overflows float32"
+    diagonal = np.diagonal(lower, axis1=1, axis2=2)
+    trace = (lower**2).sum((1, 2)) / head_dim
+    if (
+        np.triu(lower, 1).any()
+        or (diagonal <= 0).any()
+        or (trace < 1 - CONSISTENCY).any()
+        or (trace > 1 + RIDGE + CONSISTENCY).any()
+    ):
+        return "transform is not a Cholesky factor of a trace-normalised H"
+    err = np.linalg.norm(c @ lower - tc, axis=(1, 2))
+    if (err > CONSISTENCY * np.linalg.norm(tc, axis=(1, 2))).any():
+        return "centroids and transformed centroids disagree"
+    if c.shape[1] > 1 and not (np.abs(c - c[:, :1]).max(axis=(1, 2)) > 0).all():
+        return "centroids all coincide"
+    return None
