@@ -8,12 +8,13 @@ about algorithms.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -95,8 +96,13 @@ class ModelDims:
     # how the model is split across processes (veloxpatch.sharding); the
     # counts above are this rank's (its heads, its layers)
     shards: Shards = LOCAL
-    # what identifies the model for its calibration files (`fingerprint`)
-    fingerprint: dict | None = None
+    model: Any = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def fingerprint(self) -> dict:
+        """What identifies the model for its calibration files (computed once,
+        when a file is read or written)."""
+        return fingerprint(self.model)
 
     @property
     def layers(self) -> int:
@@ -161,7 +167,7 @@ class Adapter:
                 for i, la in enumerate(model.layers)
             ),
             shards=shards,
-            fingerprint=fingerprint(model),
+            model=model,
         )
 
 

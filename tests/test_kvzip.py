@@ -9,8 +9,9 @@ from helpers import greedy, max_abs
 from tiny import VOCAB, prompt_tokens, tiny_model
 
 import veloxpatch
-from veloxpatch.caches.kvzip_choice import compress_together
-from veloxpatch.context import copy_cache, repeat_inputs
+from veloxpatch.caches.kvzip import repeat_inputs
+from veloxpatch.caches.kvzip.choice import compress_together
+from veloxpatch.context import copy_cache
 from veloxpatch.errors import OptionError
 
 
@@ -380,18 +381,18 @@ def test_generate_reconstructs_the_prompt_from_its_ids(monkeypatch):
     """Inside mlx-lm's generate functions the patch records the prompt's ids
     and runs the reconstruction over them before the call that ends the
     prompt; the kept rows then match `patch.prefill`'s."""
-    from veloxpatch import context
+    from veloxpatch.caches.kvzip import reconstruct
 
     model = tiny_model("llama")
     ids = prompt_tokens(40).tolist()
     seen = []
-    real = context.reconstruct
+    real = reconstruct.reconstruct
 
     def spy(model, caches, zipped, ctx, tokenizer):
         seen.append((list(ctx), zipped[0].offset))
         return real(model, caches, zipped, ctx, tokenizer)
 
-    monkeypatch.setattr(context, "reconstruct", spy)
+    monkeypatch.setattr(reconstruct, "reconstruct", spy)
     opts = dict(budget=12, sinks=2, window=4)
     with veloxpatch.patched(model, "kvzip", tokenizer=TOK, **opts) as patch:
         caches = patch.make_cache()
@@ -424,9 +425,9 @@ def test_a_long_later_prompt_is_compressed_to_the_budget():
 def test_without_reconstruction_the_prompt_window_scores(
     monkeypatch, tokenizer, reconstruct
 ):
-    from veloxpatch import context
+    from veloxpatch.caches.kvzip import reconstruct as module
 
-    monkeypatch.setattr(context, "reconstruct", None)  # would fail if called
+    monkeypatch.setattr(module, "reconstruct", None)  # would fail if called
     model = tiny_model("llama")
     opts = dict(budget=12, sinks=2, window=4, reconstruct=reconstruct)
     with veloxpatch.patched(model, "kvzip", tokenizer=tokenizer, **opts):

@@ -150,9 +150,7 @@ class Patch:
         )
 
     def _model_forward(self, wrapped, model, args, kwargs):
-        from .context import model_forward
-
-        return model_forward(self, wrapped, model, args, kwargs)
+        return self.cache_cls.model_call(self, wrapped, model, args, kwargs)
 
     def end_prompt(self, caches=None) -> None:
         """Tell the caches the prompt is over (for callers that drive

@@ -193,6 +193,18 @@ class VeloxCache(RowStorage, _BaseCache):
     def end_prompt(self) -> None:
         pass
 
+    @classmethod
+    def finish_context(cls, model, caches, context: list[int], tokenizer) -> None:
+        """A context's prefill is done and its prompt about to end
+        (`Patch.prefill`, the eval): an algorithm's own pass over `context`,
+        the ids of its newest positions (kvzip's reconstruction). Default: none."""
+
+    @classmethod
+    def model_call(cls, patch, wrapped, model, args, kwargs):
+        """A whole-model call of a patch whose class `wants_token_ids` (the ids
+        reach no attention layer). Default: the call as it is."""
+        return wrapped(*args, **kwargs)
+
     def side_arrays(self) -> list:
         """Arrays the attention output does not depend on but must be evaluated
         every step (positions, query buffers, accumulators)."""

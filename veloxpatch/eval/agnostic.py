@@ -14,8 +14,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..caches.kvzip import KVzipCache
-from ..caches.kvzip_choice import compress_together
-from ..context import copy_cache, reconstruct
+from ..caches.kvzip.choice import compress_together
+from ..caches.kvzip.reconstruct import reconstruct
+from ..context import copy_cache
 from ..memory import kv_bytes
 from .passkey import AgnosticCase
 from .runner import answer, case_row

@@ -53,18 +53,15 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..errors import OptionError
-from .attention_math import newest_queries, query_probs
-from .eviction import EvictingCache, EvictionOptions
-from .kvzip_choice import compress_together
-from .kvzip_decode import KVzipDecode
-from .kvzip_plus import output_gram, plus_scores
-from .options import check_choice, check_int, check_number
-from .snapkv import SnapKVOptions, window_score
-
-REPEAT_FIRST = "\n\nRepeat the previous context exactly."
-REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
-OVERLAP = 8  # tokens of the previous chunk a later chunk starts from
+from ...errors import OptionError
+from ..attention_math import newest_queries, query_probs
+from ..base import PAD_POSITION
+from ..eviction import EvictingCache, EvictionOptions
+from ..options import check_choice, check_int, check_number
+from ..snapkv import SnapKVOptions, window_score
+from .choice import compress_together
+from .plus import output_gram, plus_scores
+from .reconstruct import OVERLAP, model_forward, reconstruct
 
 
 @dataclasses.dataclass
@@ -132,7 +129,7 @@ class KVzipOptions(EvictionOptions):
         return super().bind(model, dims)
 
 
-class KVzipCache(KVzipDecode, EvictingCache):
+class KVzipCache(EvictingCache):
     name = "kvzip"
     prompt_cache_policy = "prompt"
     batchable = True  # one cache per sequence (caches/batch.py)
@@ -162,6 +159,18 @@ class KVzipCache(KVzipDecode, EvictingCache):
     @property
     def wants_layer_input(self) -> bool:
         return self.options.plus and self.repeat is not None
+
+    # ---- the reconstruction pass (reconstruct.py) -----------------------------------
+    @classmethod
+    def finish_context(cls, model, caches, context, tokenizer):
+        zipped = [c for c in caches if isinstance(c, cls)]
+        if zipped:
+            with zipped[0].phase.suspend():
+                reconstruct(model, caches, zipped, context, tokenizer)
+
+    @classmethod
+    def model_call(cls, patch, wrapped, model, args, kwargs):
+        return model_forward(cls, patch, wrapped, model, args, kwargs)
 
     # ---- scoring ------------------------------------------------------------------
     def attention(self, q, keys, values, mask, scale):
@@ -356,6 +365,62 @@ class KVzipCache(KVzipDecode, EvictingCache):
 
     def held_arrays(self):
         return super().held_arrays() + ([] if self.zscore is None else [self.zscore])
+
+    # ---- decode: the compressed size plus `window` generated rows ------------------
+    @property
+    def frozen(self) -> bool:
+        return self.options.decode == "frozen"
+
+    def after_attend(self, q, new_rows):
+        if self.context_rows is None or self.in_prompt:
+            return
+        w = self.options.window
+        if not self.frozen:  # the newest queries (at least this call's) score rows
+            self.decode_queries = newest_queries(self.decode_queries, q, max(w, 1))
+        if self.rows <= self._decode_limit() + w:
+            return
+        if not self.frozen:
+            self.evict_to(self.options.budget, self.decode_scores())
+            self.decode_rows = self.options.budget
+            return
+        pos = self.positions_view()
+        counts = (pos < self.context_end).sum(-1) + w
+        scores = pos.astype(mx.float32)  # context and window are protected
+        self.evict_to(int(counts.max().item()), scores, counts)
+
+    def _decode_limit(self) -> int:
+        return self.context_rows if self.decode_rows is None else self.decode_rows
+
+    def decode_scores(self) -> mx.array:
+        """[B, Hkv, T] SnapKV's score under the buffered decode queries: their
+        summed probabilities, max-pooled over 7 positions, mean over the group."""
+        keys, _ = self._view()
+        q = self.decode_queries
+        start = self.offset - q.shape[2]
+        _, probs = query_probs(q, keys, self.positions_view(), start, self.scale)
+        return window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
+
+    def trim(self, n):
+        n = super().trim(n)
+        if n:
+            self.decode_queries = None  # they may include trimmed tokens
+            if self.zscore is not None:
+                self.zscore = self.zscore[..., : self.rows]
+        return n
+
+    def row_bound(self) -> int:
+        if self.context_rows is None:
+            return max(self.rows, self.options.budget)
+        return self._decode_limit() + self.options.window
+
+    def protected_mask(self, pos):
+        if self.context_rows is None:
+            return super().protected_mask(pos)
+        # after compression: the sinks (or the whole kept context, frozen) and
+        # the newest window rows stay
+        recent = (pos >= self.offset - self.options.window) & (pos != PAD_POSITION)
+        kept = (pos < self.context_end) if self.frozen else (pos < self.options.sinks)
+        return kept | recent
 
     def side_arrays(self):
         held = (self.zscore, self.decode_queries, self.tail_queries)
