@@ -194,10 +194,14 @@ class VeloxCache(RowStorage, _BaseCache):
         pass
 
     @classmethod
-    def finish_context(cls, model, caches, context: list[int], tokenizer) -> None:
+    def finish_context(cls, model, caches, context: list[int], tokenizer, reuse=None):
         """A context's prefill is done and its prompt about to end
         (`Patch.prefill`, the eval): an algorithm's own pass over `context`,
-        the ids of its newest positions (kvzip's reconstruction). Default: none."""
+        the ids of its newest positions (kvzip's reconstruction). Returns what
+        the pass found, which `reuse` hands back to skip the pass on the same
+        context (the eval's arms that differ only in how rows are chosen).
+        Default: none."""
+        return None
 
     @classmethod
     def model_call(cls, patch, wrapped, model, args, kwargs):

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..caches.kvzip import KVzipCache
-from ..caches.kvzip.choice import compress_together
-from ..caches.kvzip.reconstruct import reconstruct
+from ..caches.base import VeloxCache
+from ..caches.phase import share_phase
 from ..context import copy_cache
 from ..memory import kv_bytes
 from .passkey import AgnosticCase
 from .runner import answer, case_row
 from .sessions import Prefills, arm_caches
 
-# options that choose rows from the reconstruction's scores, or decode after it:
-# arms differing only in these share one reconstruction pass
+# options that choose rows from what `finish_context` found (kvzip's
+# reconstruction scores), or decode after it: arms differing only in these
+# share one pass
 CHOICE = (
     "budget",
     "max_kv_bytes",
@@ -60,20 +60,18 @@ def run_agnostic_case(
 
 
 def compress(model, tokenizer, arm, caches, context, scores: dict) -> None:
-    """End the context's prompt: what `Patch.prefill` does after its prefill."""
-    zipped = [c for c in caches if isinstance(c, KVzipCache)]
-    if zipped:
+    """End the context's prompt: what `Patch.prefill` does after its prefill.
+    Replayed caches were built one by one: they get one prompt phase first,
+    so a model-wide choice (kvzip's) sees every layer."""
+    share_phase(caches)
+    ours = [c for c in caches if isinstance(c, VeloxCache)]
+    if ours:
         key = repr(sorted((k, v) for k, v in arm.options.items() if k not in CHOICE))
-        if key not in scores:
-            for c in zipped:
-                c.score_prompt = False
-            start = zipped[0].offset - len(context)
-            reconstruct(model, caches, zipped, context[start:], tokenizer)
-            scores[key] = [mx.array(c.zscore) for c in zipped]
-        for c, z in zip(zipped, scores[key]):
-            c.zscore = mx.array(z)
-        compress_together(zipped)  # one choice over every layer (replayed
-        # caches were built one by one, so they share no prompt phase)
+        newest = context[ours[0].offset - len(context) :]
+        found = scores.get(key)
+        scores[key] = type(ours[0]).finish_context(
+            model, caches, newest, tokenizer, reuse=found
+        )
     for c in caches:
         close = getattr(c, "close_prompt", None)
         if close is not None:  # ours; mlx-lm's caches have no prompt end

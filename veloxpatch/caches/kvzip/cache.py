@@ -162,11 +162,19 @@ class KVzipCache(EvictingCache):
 
     # ---- the reconstruction pass (reconstruct.py) -----------------------------------
     @classmethod
-    def finish_context(cls, model, caches, context, tokenizer):
+    def finish_context(cls, model, caches, context, tokenizer, reuse=None):
+        """Reconstruct `context`; returns each layer's scores (`reuse`: set
+        them instead, the reconstruction of the same context)."""
         zipped = [c for c in caches if isinstance(c, cls)]
-        if zipped:
+        if not zipped:
+            return None
+        if reuse is None:
             with zipped[0].phase.suspend():
                 reconstruct(model, caches, zipped, context, tokenizer)
+            return [mx.array(c.zscore) for c in zipped]
+        for c, z in zip(zipped, reuse):
+            c.score_prompt, c.zscore = False, mx.array(z)
+        return reuse
 
     @classmethod
     def model_call(cls, patch, wrapped, model, args, kwargs):
