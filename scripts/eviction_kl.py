@@ -23,8 +23,8 @@ from quantizer_kl import timed_logprobs  # noqa: E402  (scripts/)
 
 import veloxpatch  # noqa: E402
 from veloxpatch.caches import kv_bits  # noqa: E402
-from veloxpatch.eval.arms import parse_arm, split_arms  # noqa: E402
-from veloxpatch.eval.metrics import Arm, agreement_and_kl  # noqa: E402
+from veloxpatch.eval.arms import Arm, parse_arm, split_arms  # noqa: E402
+from veloxpatch.eval.metrics import agreement_and_kl  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.text import prose_segments  # noqa: E402
 

@@ -26,8 +26,8 @@ import mlx.core as mx  # noqa: E402
 
 import veloxpatch  # noqa: E402
 from veloxpatch.caches import quantized  # noqa: E402
-from veloxpatch.eval.arms import parse_arm, split_arms  # noqa: E402
-from veloxpatch.eval.metrics import Arm, agreement_and_kl, teacher_forced  # noqa: E402
+from veloxpatch.eval.arms import Arm, parse_arm, split_arms  # noqa: E402
+from veloxpatch.eval.metrics import agreement_and_kl, teacher_forced  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.sessions import arm_caches  # noqa: E402
 from veloxpatch.eval.text import prose_segments  # noqa: E402

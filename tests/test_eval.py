@@ -7,8 +7,8 @@ from tiny import prompt_tokens, tiny_model
 
 from veloxpatch.errors import OptionError
 from veloxpatch.eval import text
-from veloxpatch.eval.arms import expand, parse_arm, split_arms
-from veloxpatch.eval.metrics import Arm, evaluate_continuation
+from veloxpatch.eval.arms import Arm, expand, parse_arm, split_arms
+from veloxpatch.eval.metrics import evaluate_continuation
 from veloxpatch.eval.passkey import make_case, make_cases, wilson
 from veloxpatch.eval.text import LICENSE_SPLITS, LICENSES, prose
 
@@ -136,7 +136,6 @@ def test_passkey_cases_are_seeded_and_placed(loaded):
 def test_decoded_lead_in_same_answer_replayed_or_direct(loaded):
     # The lead-in fed as answer tokens: replayed prefill and a direct chunked
     # prefill give the same answers; lookahead compresses before the digits.
-    from veloxpatch.eval.metrics import Arm
     from veloxpatch.eval.runner import run_case
 
     model, tokenizer = loaded

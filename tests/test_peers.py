@@ -8,7 +8,7 @@ from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
 from veloxpatch.errors import OptionError, PatchStateError
-from veloxpatch.eval.metrics import Arm
+from veloxpatch.eval.arms import Arm, takes_budget
 from veloxpatch.eval.peers import (
     PEER_ALGOS,
     generation_kwargs,
@@ -18,12 +18,7 @@ from veloxpatch.eval.peers import (
     veloxquant_available,
     veloxquant_caches,
 )
-from veloxpatch.eval.sessions import (
-    Prefills,
-    arm_caches,
-    prefill_head,
-    takes_budget,
-)
+from veloxpatch.eval.sessions import Prefills, arm_caches, prefill_head
 
 
 def last_logits(model, caches, ids, quantized=None):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from veloxpatch.errors import OptionError
-from veloxpatch.eval.metrics import Arm
+from veloxpatch.eval.arms import Arm
 from veloxpatch.eval.passkey import PasskeyCase
 from veloxpatch.eval.tasks import PasskeyTask
 from veloxpatch.eval.tasks import passkey as task_mod

@@ -8,8 +8,8 @@ from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
 from veloxpatch.caches import ALGORITHMS
+from veloxpatch.eval.arms import takes_budget
 from veloxpatch.eval.replay import capture_prefill
-from veloxpatch.eval.sessions import takes_budget
 
 ARMS = [
     ("full", {}),

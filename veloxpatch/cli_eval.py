@@ -62,7 +62,7 @@ def _config() -> dict:
 def _check_arms(arms):
     """Validate every arm before anything runs; return (runnable, skipped)."""
     from .api import make_options
-    from .eval.sessions import is_peer
+    from .eval.arms import is_peer
 
     runnable, skipped = [], []
     for arm in arms:
@@ -198,7 +198,7 @@ def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_opt
     """Passkey accuracy, perplexity and agreement with full, per arm."""
     from . import models
     from .eval import harness
-    from .eval.metrics import Arm
+    from .eval.arms import Arm
     from .eval.runinfo import run_info, write_results
     from .eval.tasks import TASKS
 

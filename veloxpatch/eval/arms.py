@@ -1,9 +1,49 @@
-"""Arms written `NAME[:key=value,...]`, e.g. `snapkv:budget=256,window=16`."""
+"""Arms: an algorithm with its options, ours or a peer's, written
+`NAME[:key=value,...]`, e.g. `snapkv:budget=256,window=16`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ..errors import OptionError
-from .metrics import Arm
+
+
+@dataclass
+class Arm:
+    """An algorithm with its options, e.g. Arm("knorm", {"budget": 256})."""
+
+    algo: str = "full"
+    options: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.algo}:{opts}" if opts else self.algo
+
+    @property
+    def family(self) -> str:
+        """The label without the budget: arms that differ only in budget (or in
+        max_kv_bytes)."""
+        drop = ("budget", "max_kv_bytes")
+        rest = {k: v for k, v in self.options.items() if k not in drop}
+        return Arm(self.algo, rest).label
+
+
+PEER_PREFIXES = ("mlx.", "veloxquant.")
+
+
+def is_peer(algo: str) -> bool:
+    return algo == "unpatched" or algo.startswith(PEER_PREFIXES)
+
+
+def takes_budget(algo: str) -> bool:
+    """Whether `--budgets` expands this arm."""
+    if is_peer(algo):
+        return algo == "mlx.rotating" or algo.startswith("veloxquant.")
+    from ..caches import ALGORITHMS  # here: importing arms loads no mlx
+
+    cls = ALGORITHMS.get(algo)
+    return cls is not None and "budget" in cls.Options.__dataclass_fields__
 
 
 def parse_value(text: str):
@@ -60,8 +100,6 @@ def expand(arm_texts, budgets=(), memory=()) -> list[Arm]:
     """Parse arms; arms that take a budget and name none get each of `budgets`,
     or each of the sizes in `memory` as `max_kv_bytes` (ours and mlx.rotating;
     the others, mlx.quantized included, run once, at their own size)."""
-    from .sessions import takes_budget
-
     if budgets and memory:
         raise OptionError("give budgets or memory sizes, not both")
     arms = []
@@ -79,6 +117,4 @@ def expand(arm_texts, budgets=(), memory=()) -> list[Arm]:
 
 def takes_bytes(algo: str) -> bool:
     """Whether `--memory` expands this arm: ours with a budget, mlx.rotating."""
-    from .sessions import is_peer, takes_budget
-
     return algo == "mlx.rotating" or (not is_peer(algo) and takes_budget(algo))

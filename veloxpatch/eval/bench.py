@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 
 from ..memory import kv_bytes
 from . import peers
-from .metrics import Arm
+from .arms import Arm
 from .sessions import arm_caches, mlx_kind
 from .text import check_length, prose_length, prose_tokens
 

@@ -12,26 +12,10 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-
-@dataclass
-class Arm:
-    """An algorithm with its options, e.g. Arm("knorm", {"budget": 256})."""
-
-    algo: str = "full"
-    options: dict = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
-        return f"{self.algo}:{opts}" if opts else self.algo
-
-    @property
-    def family(self) -> str:
-        """The label without the budget: arms that differ only in budget (or in
-        max_kv_bytes)."""
-        drop = ("budget", "max_kv_bytes")
-        rest = {k: v for k, v in self.options.items() if k not in drop}
-        return Arm(self.algo, rest).label
+from ..memory import kv_bytes
+from .agnostic import compress
+from .arms import Arm
+from .sessions import Prefills, arm_caches
 
 
 def teacher_forced(model, caches, logits, continuation) -> mx.array:
@@ -59,10 +43,6 @@ def arm_logprobs(
     sessions.Prefills of context[:-1]) shares the prefill between arms.
     `agnostic` (tokenizer, kvzip scores by options): context[:-1] is compressed
     as `Patch.prefill` does, before the last context token is fed."""
-    from ..memory import kv_bytes
-    from .agnostic import compress
-    from .sessions import arm_caches
-
     with arm_caches(model, arm, context[:-1], prefills, prefill_step_size) as (
         caches,
         _,
@@ -134,8 +114,6 @@ def evaluate_continuation(
     per kind of arm and shared (exact, see sessions.Prefills). With `tokenizer`
     the question-agnostic protocol: the context is compressed before any
     continuation token (kvzip by its reconstruction pass)."""
-    from .sessions import Prefills
-
     prefills = Prefills(model, context[:-1], arms, prefill_step_size)
     agnostic = None if tokenizer is None else (tokenizer, {})
     reference, reference_kv = arm_logprobs(

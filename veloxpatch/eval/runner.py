@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from ..memory import kv_bytes
-from .metrics import Arm
+from .arms import Arm
 from .passkey import PasskeyCase, wilson
 from .sessions import Prefills, arm_caches
 

@@ -14,24 +14,8 @@ import contextlib
 import mlx.core as mx
 
 from .. import api
-from .metrics import Arm
+from .arms import Arm, is_peer
 from .replay import capture_prefill
-
-PEER_PREFIXES = ("mlx.", "veloxquant.")
-
-
-def is_peer(algo: str) -> bool:
-    return algo == "unpatched" or algo.startswith(PEER_PREFIXES)
-
-
-def takes_budget(algo: str) -> bool:
-    """Whether `--budgets` expands this arm."""
-    if is_peer(algo):
-        return algo == "mlx.rotating" or algo.startswith("veloxquant.")
-    from ..caches import ALGORITHMS
-
-    cls = ALGORITHMS.get(algo)
-    return cls is not None and "budget" in cls.Options.__dataclass_fields__
 
 
 def mlx_kind(arm: Arm) -> str | None:

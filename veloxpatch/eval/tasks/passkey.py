@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ...errors import OptionError
 from ..agnostic import run_agnostic_case
-from ..metrics import Arm
+from ..arms import Arm
 from ..passkey import make_cases
 from ..runner import run_case, smallest_budget, summarize
 from ..text import check_length, prose_length
