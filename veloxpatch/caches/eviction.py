@@ -225,6 +225,16 @@ class EvictingCache(VeloxCache):
         if self.compress_now(new_rows):
             self.evict_to(self.row_budget(), self.scores(q))
 
+    def cut_after_window(self, limit: int, n_keep: int, scores) -> bool:
+        """Decode-time recompression of the algorithms that hold a compressed
+        prompt plus `window` generated rows (snapkv, expected_attention,
+        kvzip): once the rows exceed `limit` + window, keep `n_keep` by
+        `scores()` (computed only then). Returns whether it cut."""
+        if self.in_prompt or self.rows <= limit + self.options.window:
+            return False
+        self.evict_to(n_keep, scores())
+        return True
+
     # ---- machinery ----------------------------------------------------------------
     def protected_mask(self, pos: mx.array) -> mx.array:
         """Rows never evicted: the sinks and the `recent` newest rows."""

@@ -134,10 +134,8 @@ class ExpectedAttentionCache(EvictingCache):
         return super().rotate(q, k, rope, offset, query_scale)
 
     def after_attend(self, q, new_rows):
-        if self.in_prompt:
-            return
-        if self.rows > self._limit() + self.options.window:
-            self.compress()
+        if self.cut_after_window(self._limit(), self.row_budget(), self.scores):
+            self.compressed_rows = self.rows
 
     def end_prompt(self):
         # Without a rope yet (a loaded cache ended by Patch.end_prompt) the first

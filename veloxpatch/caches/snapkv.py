@@ -120,8 +120,8 @@ class SnapKVCache(EvictingCache):
             self.lookahead_left -= 1
             if not self.lookahead_left and self.rows > self.row_budget():
                 self.compress()
-        elif self.rows > self._limit() + w:
-            self.compress()
+        elif self.cut_after_window(self._limit(), self.row_budget(), self.scores):
+            self.compressed_rows = self.rows
 
     def end_prompt(self):
         self.prompt_end = self.offset

@@ -385,11 +385,12 @@ class KVzipCache(EvictingCache):
         w = self.options.window
         if not self.frozen:  # the newest queries (at least this call's) score rows
             self.decode_queries = newest_queries(self.decode_queries, q, max(w, 1))
-        if self.rows <= self._decode_limit() + w:
-            return
         if not self.frozen:
-            self.evict_to(self.options.budget, self.decode_scores())
-            self.decode_rows = self.options.budget
+            budget = self.options.budget
+            if self.cut_after_window(self._decode_limit(), budget, self.decode_scores):
+                self.decode_rows = budget
+            return
+        if self.rows <= self._decode_limit() + w:
             return
         pos = self.positions_view()
         counts = (pos < self.context_end).sum(-1) + w
