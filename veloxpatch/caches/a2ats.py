@@ -118,6 +118,7 @@ def assign(keys: mx.array, book: dict) -> mx.array:
 
 class A2ATSCache(VeloxCache):
     name = "a2ats"
+    row_arrays = ("codes",)  # [B, Hkv, rows] each row's centroid
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "windowed RoPE + query-aware VQ codes; decode attends the top 3% only"
     note = (
@@ -158,11 +159,6 @@ class A2ATSCache(VeloxCache):
 
     def end_prompt(self):
         self.decoding = True
-
-    def truncate_rows(self, n):
-        super().truncate_rows(n)
-        if self.codes is not None:
-            self.codes = self.codes[..., :n]
 
     # ---- attention ----------------------------------------------------------------
     def attention(self, q, keys, values, mask, scale):
@@ -256,19 +252,16 @@ class A2ATSCache(VeloxCache):
         return self._attend(q, k_near, k_sel, v_sel, rows, valid, scale)
 
     # ---- contract -----------------------------------------------------------------
-    def side_arrays(self):
-        return super().side_arrays() + ([] if self.codes is None else [self.codes])
-
     def held_arrays(self):
         return super().held_arrays() + ([] if self.codes is None else [self.codes])
 
     def extra_state(self):
         # the codebook travels with the codes, so a loaded cache needs no model
-        st = {} if self.codes is None else {"codes": self.codes}
-        return st | {f"book.{k}": v for k, v in (self.book or {}).items()}
+        book = {f"book.{k}": v for k, v in (self.book or {}).items()}
+        return super().extra_state() | book
 
     def load_extra_state(self, st):
-        self.codes = st.get("codes")
+        super().load_extra_state(st)
         book = {k[5:]: v for k, v in st.items() if k.startswith("book.")}
         self.book = book or self.book
 

@@ -74,6 +74,10 @@ class VeloxCache(RowStorage, _BaseCache):
     # "prompt": the copy taken as the prompt ends, before its question-aware
     # compression; "none": queries of the question evicted during the prompt.
     prompt_cache_policy: ClassVar[str] = "as_is"
+    # Per-row side state, each [B, Hkv, <= rows] aligned with the stored rows
+    # (h2o's accumulated attention, knorm's norms, ...): kept with the rows an
+    # eviction keeps, truncated with them, evaluated each step, saved and loaded.
+    row_arrays: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self, options: CacheOptions | None = None, layer: int = 0, num_layers: int = 1
@@ -212,14 +216,25 @@ class VeloxCache(RowStorage, _BaseCache):
     def side_arrays(self) -> list:
         """Arrays the attention output does not depend on but must be evaluated
         every step (positions, query buffers, accumulators)."""
-        return [] if self.positions is None else [self.positions]
+        held = [self.positions, *(getattr(self, n) for n in self.row_arrays)]
+        return [a for a in held if a is not None]
 
     def extra_state(self) -> dict:
-        """Side arrays of an algorithm (accumulators, query buffers)."""
-        return {}
+        """Side arrays of an algorithm (accumulators, query buffers); the
+        `row_arrays` by name."""
+        named = {n: getattr(self, n) for n in self.row_arrays}
+        return {n: a for n, a in named.items() if a is not None}
 
     def load_extra_state(self, st: dict) -> None:
-        pass
+        for n in self.row_arrays:
+            setattr(self, n, st.get(n))
+
+    def truncate_rows(self, n: int) -> None:
+        super().truncate_rows(n)
+        for name in self.row_arrays:
+            a = getattr(self, name)
+            if a is not None:
+                setattr(self, name, a[..., :n])
 
     def extra_meta(self) -> dict:
         """Scalars of an algorithm (counters, flags), JSON-serialisable."""

@@ -33,6 +33,7 @@ import mlx.core as mx
 from ..errors import OptionError
 from .base import PAD_POSITION, VeloxCache
 from .options import CacheOptions, check_choice, check_int, check_number
+from .storage import padded_to
 
 HEAD_BUDGETS = ("uniform", "adaptive")
 DEFAULT_ALPHA = 0.2  # Ada-KV's floor
@@ -292,6 +293,11 @@ class EvictingCache(VeloxCache):
         """Keep rows `idx` [B, Hkv, K] (ascending) of every head, in that order."""
         if pos is None:
             pos = self.positions_view()
+        for name in self.row_arrays:  # side state follows its rows
+            a = getattr(self, name)
+            if a is not None:
+                a = padded_to(a, self.rows)
+                setattr(self, name, mx.take_along_axis(a, idx, axis=-1))
         self.positions = mx.take_along_axis(pos, idx, axis=2)
         self.take_stored(idx)
         self.rows = idx.shape[-1]

@@ -39,6 +39,7 @@ class H2OCache(ProbabilityCache):
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "accumulated attention of every real query (heavy hitters) + recent"
     Options = H2OOptions
+    row_arrays = ("acc",)
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)
@@ -57,21 +58,3 @@ class H2OCache(ProbabilityCache):
 
     def scores(self, q):
         return self.acc
-
-    def keep_rows(self, idx, pos=None):
-        super().keep_rows(idx, pos)
-        self.acc = mx.take_along_axis(self.acc, idx, axis=-1)
-
-    def truncate_rows(self, n):
-        super().truncate_rows(n)
-        if self.acc is not None:
-            self.acc = self.acc[..., :n]
-
-    def side_arrays(self):
-        return super().side_arrays() + ([self.acc] if self.acc is not None else [])
-
-    def extra_state(self):
-        return {} if self.acc is None else {"acc": self.acc}
-
-    def load_extra_state(self, st):
-        self.acc = st.get("acc")

@@ -34,6 +34,7 @@ class KNormOptions(EvictionOptions):
 
 class KNormCache(EvictingCache):
     name = "knorm"
+    row_arrays = ("norms",)
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "lowest key L2 norm per KV head, sinks protected (no queries needed)"
     Options = KNormOptions
@@ -56,22 +57,3 @@ class KNormCache(EvictingCache):
 
     def scores(self, q):
         return self.norms
-
-    def keep_rows(self, idx, pos=None):
-        super().keep_rows(idx, pos)
-        self.norms = mx.take_along_axis(self.norms, idx, axis=-1)
-
-    def truncate_rows(self, n):
-        super().truncate_rows(n)
-        if self.norms is not None:
-            self.norms = self.norms[..., :n]
-
-    def side_arrays(self):
-        side = super().side_arrays()
-        return side + ([self.norms] if self.norms is not None else [])
-
-    def extra_state(self):
-        return {} if self.norms is None else {"norms": self.norms}
-
-    def load_extra_state(self, st):
-        self.norms = st.get("norms")

@@ -14,6 +14,15 @@ import mlx.core as mx
 PAD_POSITION = 2**31 - 1
 
 
+def padded_to(a: mx.array, rows: int) -> mx.array:
+    """Per-row side state [B, H, n <= rows] with zeros for the rows past n
+    (rows never given a value)."""
+    B, H, n = a.shape
+    if n >= rows:
+        return a
+    return mx.concatenate([a, mx.zeros((B, H, rows - n), a.dtype)], axis=-1)
+
+
 class RowStorage:
     step = 256  # mlx-lm's growth step
 

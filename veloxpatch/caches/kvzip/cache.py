@@ -59,6 +59,7 @@ from ..base import PAD_POSITION
 from ..eviction import EvictingCache, EvictionOptions
 from ..options import check_choice, check_int, check_number
 from ..snapkv import SnapKVOptions, window_score
+from ..storage import padded_to
 from .choice import compress_together
 from .plus import output_gram, plus_scores
 from .reconstruct import OVERLAP, model_forward, reconstruct
@@ -140,7 +141,8 @@ class KVzipCache(EvictingCache):
         "mlx_lm.generate is scored by its own queries (no token ids to repeat)."
     )
     Options = KVzipOptions
-    wants_token_ids = True  # the patch records prompt ids (context.model_forward)
+    wants_token_ids = True  # the patch records prompt ids (reconstruct.py)
+    row_arrays = ("zscore",)  # each kept row keeps its score (a later prompt)
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)
@@ -360,16 +362,7 @@ class KVzipCache(EvictingCache):
 
     def row_scores(self) -> mx.array:
         """[B, Hkv, rows] every row's score, 0 for rows never scored."""
-        z = self.zscore
-        if z.shape[-1] < self.rows:
-            B, H, n = z.shape
-            z = mx.concatenate([z, mx.zeros((B, H, self.rows - n), z.dtype)], -1)
-        return z[..., : self.rows]
-
-    def keep_rows(self, idx, pos=None):
-        if self.zscore is not None:  # scores stay with their rows
-            self.zscore = mx.take_along_axis(self.row_scores(), idx, axis=-1)
-        super().keep_rows(idx, pos)
+        return padded_to(self.zscore, self.rows)[..., : self.rows]
 
     def held_arrays(self):
         return super().held_arrays() + ([] if self.zscore is None else [self.zscore])
@@ -413,8 +406,6 @@ class KVzipCache(EvictingCache):
         n = super().trim(n)
         if n:
             self.decode_queries = None  # they may include trimmed tokens
-            if self.zscore is not None:
-                self.zscore = self.zscore[..., : self.rows]
         return n
 
     def row_bound(self) -> int:
@@ -432,20 +423,18 @@ class KVzipCache(EvictingCache):
         return kept | recent
 
     def side_arrays(self):
-        held = (self.zscore, self.decode_queries, self.tail_queries)
-        side = [a for a in held if a is not None]
-        return super().side_arrays() + side
+        held = (self.decode_queries, self.tail_queries)
+        return super().side_arrays() + [a for a in held if a is not None]
 
     def extra_state(self):
         named = {
-            "zscore": self.zscore,
             "decode_queries": self.decode_queries,
             "tail_queries": self.tail_queries,
         }
-        return {k: v for k, v in named.items() if v is not None}
+        return super().extra_state() | {k: v for k, v in named.items() if v is not None}
 
     def load_extra_state(self, st):
-        self.zscore = st.get("zscore")
+        super().load_extra_state(st)
         self.decode_queries = st.get("decode_queries")
         self.tail_queries = st.get("tail_queries")
 
