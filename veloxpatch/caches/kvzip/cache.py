@@ -136,9 +136,10 @@ class KVzipCache(EvictingCache):
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "attention each pair gets while the model repeats the context; global"
     note = (
-        "compress a context with patch.prefill(tokens, tokenizer) or `veloxpatch "
-        "compress` to score by context reconstruction; a prompt ended inside "
-        "mlx_lm.generate is scored by its own queries (no token ids to repeat)."
+        "reconstructs each prompt (about 2x its prefill) wherever the ids reach "
+        "it: patch.prefill, veloxpatch compress, and mlx_lm.generate or the "
+        "server when the patch knows the tokenizer; batched prompts are scored "
+        "by their last 32 queries instead."
     )
     Options = KVzipOptions
     wants_token_ids = True  # the patch records prompt ids (reconstruct.py)
