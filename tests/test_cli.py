@@ -25,7 +25,7 @@ def test_unknown_algorithm_is_one_line_exit_2():
     lines = out.output.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("veloxpatch: error: unknown algorithm 'nope'; ")
-    assert "available: full, streaming_llm, knorm" in lines[0]
+    assert "available: full, a2ats, adakv" in lines[0]
 
 
 def test_bad_option_is_one_line_exit_2():

@@ -1,4 +1,5 @@
-"""Algorithm registry: one file per algorithm, one line here."""
+"""Algorithm registry: one file per algorithm, one import line here. Every
+cache class imported here is an algorithm, listed by name (`full` first)."""
 
 from .a2ats import A2ATSCache
 from .adakv import AdaKVCache
@@ -16,24 +17,16 @@ from .snapkv import SnapKVCache
 from .streaming_llm import StreamingLLMCache
 from .tova import TOVACache
 
-ALGORITHMS: dict[str, type[VeloxCache]] = {
-    cls.name: cls
-    for cls in (
-        FullCache,
-        StreamingLLMCache,
-        KNormCache,
-        SnapKVCache,
-        PyramidKVCache,
-        AdaKVCache,
-        H2OCache,
-        TOVACache,
-        KeyformerCache,
-        QFiltersCache,
-        ExpectedAttentionCache,
-        KIVICache,
-        A2ATSCache,
-        KVzipCache,
-    )
-}
+
+def _registered() -> dict[str, type[VeloxCache]]:
+    found = [
+        v
+        for v in globals().values()
+        if isinstance(v, type) and issubclass(v, VeloxCache) and v is not VeloxCache
+    ]
+    return {c.name: c for c in sorted(found, key=lambda c: (c.name != "full", c.name))}
+
+
+ALGORITHMS: dict[str, type[VeloxCache]] = _registered()
 
 __all__ = ["ALGORITHMS", "CacheOptions", "VeloxCache"]
