@@ -2,6 +2,9 @@
 and share one load of the embedded SmolLM2 across test files."""
 
 import importlib.util
+import os
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +30,41 @@ def loaded():
     import veloxpatch
 
     return veloxpatch.load()
+
+
+# Every process the suite starts inherits this marker; any still alive when the
+# session ends (a server a test forgot) is killed and fails the run.
+SESSION_MARK = f"VELOXPATCH_TEST_SESSION={os.getpid()}"
+os.environ["VELOXPATCH_TEST_SESSION"] = str(os.getpid())
+
+
+def leftover_processes() -> list[tuple[int, str]]:
+    """(pid, command line) of live processes carrying this session's marker."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if SESSION_MARK.encode() in env and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            found.append(
+                (int(entry), cmd.replace(b"\0", b" ").decode(errors="replace"))
+            )
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = leftover_processes()
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if left:
+        lines = "\n".join(f"  pid {pid}: {cmd[:160]}" for pid, cmd in left)
+        print(f"\nprocesses started by the tests outlived them (killed now):\n{lines}")
+        session.exitstatus = 1
