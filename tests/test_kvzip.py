@@ -435,3 +435,27 @@ def test_without_reconstruction_the_prompt_window_scores(
         greedy(model, prompt_tokens(40), n=3, prompt_cache=caches)
     assert all(c.context_rows is not None for c in caches)
     assert sum(c.rows for c in caches) <= (12 + 4) * len(caches)
+
+
+def test_a_replayed_prefill_is_reconstructed_like_a_direct_one(monkeypatch):
+    """The eval replays one captured prefill into every arm: the replayed
+    caches know the prompt's ids, so kvzip reconstructs as in a direct run."""
+    from veloxpatch.caches.kvzip import reconstruct
+    from veloxpatch.eval.replay import capture_prefill
+
+    model = tiny_model("llama")
+    ids = prompt_tokens(40).tolist()
+    seen = []
+    real = reconstruct.reconstruct
+
+    def spy(model, caches, zipped, ctx, tokenizer):
+        seen.append(list(ctx))
+        return real(model, caches, zipped, ctx, tokenizer)
+
+    captured = capture_prefill(model, ids[:-1])
+    monkeypatch.setattr(reconstruct, "reconstruct", spy)
+    opts = dict(budget=12, sinks=2, window=4)
+    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, **opts) as patch:
+        caches = captured.caches("kvzip", opts, bound=patch.options)
+        greedy(model, mx.array(ids[-1:]), n=2, prompt_cache=caches)
+    assert seen == [ids]
