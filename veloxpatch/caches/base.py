@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import _BaseCache
 
 from ..errors import KV_BITS_ERROR, PatchStateError, UnsupportedCacheOperation
 from ..sharding import LOCAL
@@ -46,7 +45,8 @@ class Seen:
     query_scale: Any  # None, or Ministral 3's per-position attn_scale
 
 
-class VeloxCache(RowStorage, _BaseCache):
+# An mlx-lm cache by its methods alone: mlx-lm duck-types caches (no base class).
+class VeloxCache(RowStorage):
     """Dense attention with per-head storage; the parity path of `full`.
 
     Hooks for algorithms (each optional):

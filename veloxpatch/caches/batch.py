@@ -24,7 +24,6 @@ import copy
 import weakref
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
 
 from ..errors import KV_BITS_ERROR, UnsupportedCacheOperation
 
@@ -83,7 +82,7 @@ def deep_copy(cache, memo):
     return new
 
 
-class BatchCache(_BaseCache):
+class BatchCache:
     """What the patched forward needs of a layer's batch cache (as of a
     `VeloxCache`): `layer`, `name`, `flags_checked`, `shards`, `offset`, `attend`."""
 

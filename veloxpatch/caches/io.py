@@ -116,7 +116,7 @@ def _cache_class(path, i, entry):
         cls, name, meta_type = ALGORITHMS.get(entry.get("algo")), "algorithm", dict
     else:
         cls = getattr(mlx_cache, str(entry.get("class")), None)
-        if not (isinstance(cls, type) and issubclass(cls, mlx_cache._BaseCache)):
+        if not _is_mlx_lm_cache(cls):
             cls = None
         name, meta_type = "mlx-lm cache", (list, type(None))
     if cls is None:
@@ -125,6 +125,16 @@ def _cache_class(path, i, entry):
     if not isinstance(entry.get("meta"), meta_type):
         raise CacheFileError(f"{path}: damaged cache index (layer {i} meta state)")
     return cls
+
+
+def _is_mlx_lm_cache(cls) -> bool:
+    """One of mlx-lm's own cache classes: defined in its cache module (not one
+    of ours that `register_with_mlx_lm` added there), with a `from_state`."""
+    return (
+        isinstance(cls, type)
+        and cls.__module__ == mlx_cache.__name__
+        and callable(getattr(cls, "from_state", None))
+    )
 
 
 def _rebuild(path, i, entry, arrays):
