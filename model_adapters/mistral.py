@@ -15,9 +15,9 @@ from .base import Adapter, AttentionTarget, project_plain
 def ministral3_query_scale(attn, L: int, offset: int, call: dict):
     scale = call.get("attn_scale")
     if scale is None:  # mlx-lm computes it itself when the caller passes none
-        from mlx_lm.models.ministral3 import _get_llama_4_attn_scale
+        from veloxpatch.mlx_lm_internals import llama_4_attn_scale
 
-        scale = _get_llama_4_attn_scale(
+        scale = llama_4_attn_scale(
             L, offset, attn.scaling_beta, attn.original_max_position_embeddings
         )
     return scale

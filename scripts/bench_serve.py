@@ -52,10 +52,11 @@ def serve_unpatched(port: int) -> None:
     """mlx-lm's server on the embedded model, unpatched (it loads from a path,
     and the embedded model is a GGUF only veloxpatch loads)."""
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
-    from mlx_lm.server import ModelProvider, ResponseGenerator, _run_http_server
+    from mlx_lm.server import ModelProvider, ResponseGenerator
 
     from veloxpatch.cli_serve import mlx_server_parser
     from veloxpatch.memory import full_kv_bytes, kv_bytes
+    from veloxpatch.mlx_lm_internals import run_http_server
     from veloxpatch.models import load
 
     class Provider(ModelProvider):
@@ -82,7 +83,7 @@ def serve_unpatched(port: int) -> None:
     provider.load_default()  # before the generation thread, which then reuses it
     logging.info(f"batchable: {provider.is_batchable}")
     generator = ResponseGenerator(provider, LoggingCache(args.prompt_cache_size))
-    _run_http_server(args.host, port, generator)
+    run_http_server(args.host, port, generator)
 
 
 def start(arm: str, port: int, log_path: Path) -> subprocess.Popen:

@@ -12,7 +12,7 @@ import weakref
 
 from mlx_lm.models.cache import KVCache
 
-from . import mlx_flags, patcher
+from . import mlx_flags, mlx_lm_internals, patcher
 from .caches import ALGORITHMS, VeloxCache
 from .caches.io import register_with_mlx_lm
 from .caches.phase import PromptPhase
@@ -215,6 +215,7 @@ def apply(model, algo: str = "full", *, tokenizer=None, **options) -> Patch:
 
     from .models import tokenizer_of
 
+    mlx_lm_internals.check()  # once per process: what we rely on is unchanged
     adapter = adapter_for(model)
     cache_cls, opts = make_options(algo, options, model)
     if patch_of(model) is not None:

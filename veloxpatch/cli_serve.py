@@ -1,15 +1,14 @@
 """`veloxpatch serve`: mlx-lm's server on a patched model (veloxpatch.serve).
 
 Our options are click's; every other option is one of mlx-lm's server flags and
-goes to mlx-lm's own argument parser (taken from `mlx_lm.server.main`, so the
-flags and defaults are exactly mlx-lm's). Everything is checked before the
-model loads.
+goes to mlx-lm's own argument parser (taken from `mlx_lm.server.main` by
+mlx_lm_internals, so the flags and defaults are exactly mlx-lm's). Everything is
+checked before the model loads.
 """
 
 from __future__ import annotations
 
 import argparse
-from unittest import mock
 
 import click
 
@@ -37,23 +36,12 @@ HIDDEN = {
 }
 
 
-class _Captured(Exception):
-    pass
-
-
 def mlx_server_parser() -> argparse.ArgumentParser:
-    """mlx-lm's server parser: `main()` builds it and parses at once, so stop
-    it at `parse_args` (mlx-lm is pinned; a test checks flags we rely on)."""
-    from mlx_lm import server
+    """mlx-lm's server parser (a test checks the flags we rely on), answering
+    as `veloxpatch serve`."""
+    from .mlx_lm_internals import server_parser
 
-    def capture(parser, *args, **kwargs):
-        raise _Captured(parser)
-
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
-        try:
-            server.main()
-        except _Captured as e:
-            parser = e.args[0]
+    parser = server_parser()
     parser.prog = "veloxpatch serve"
 
     def error(message):

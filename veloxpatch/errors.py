@@ -9,6 +9,12 @@ class UnsupportedModelError(VeloxpatchError):
     """The model's architecture has no adapter, or the adapter does not fit it."""
 
 
+class MlxLmChangedError(UnsupportedModelError):
+    """The installed mlx-lm differs from the one veloxpatch was checked against,
+    in something veloxpatch relies on (an adapter's attention class, or an
+    internal listed in mlx_lm_internals)."""
+
+
 class OptionError(VeloxpatchError):
     """An unknown algorithm, an unknown option, or an invalid option value."""
 

@@ -5,56 +5,30 @@ without passing `max_kv_size` on (a model with its own caches ignores it), and
 `generate_step(kv_bits=...)` converts caches with `to_quantized` only once
 `quantized_kv_start` tokens were seen, after text has been streamed. On a
 patched model either would be a silent bypass, so `Patch.make_cache` reads both
-from its callers' frames when mlx-lm's own functions call it (the functions are
-pinned with mlx-lm's version; a test checks they still hold these names):
-`max_kv_size` becomes the algorithm's budget, and `kv_bits` is refused before
-the first token.
+from its callers' frames when mlx-lm's own functions call it (the reads are
+mlx_lm_internals', where those functions are pinned): `max_kv_size` becomes
+the algorithm's budget, and `kv_bits` is refused before the first token.
 """
 
 from __future__ import annotations
 
 import sys
 
+from . import mlx_lm_internals
 from .errors import KV_BITS_ERROR, UnsupportedCacheOperation
-
-
-def _codes():
-    import importlib
-
-    generate = importlib.import_module("mlx_lm.generate")  # not the function
-    cache = importlib.import_module("mlx_lm.models.cache")
-
-    steps = (generate.generate_step, generate.speculative_generate_step)
-    return cache.make_prompt_cache.__code__, {f.__code__ for f in steps}
 
 
 def requested(depth: int = 2) -> tuple[int | None, int | None]:
     """(max_kv_size, kv_bits) mlx-lm asked for, when `model.make_cache` was
     called by mlx-lm's make_prompt_cache (`depth` frames up), else (None, None)."""
-    make_code, step_codes = _codes()
-    frame = sys._getframe(depth)
-    if frame.f_code is not make_code:
-        return None, None
-    max_kv_size = frame.f_locals.get("max_kv_size")
-    caller = frame.f_back
-    kv_bits = None
-    if caller is not None and caller.f_code in step_codes:
-        kv_bits = caller.f_locals.get("kv_bits")
-    return max_kv_size, kv_bits
+    found = mlx_lm_internals.prompt_cache_request(sys._getframe(depth))
+    return found if found is not None else (None, None)
 
 
 def kv_bits_in_stack(limit: int = 32):
     """`kv_bits` of an mlx-lm generate_step up the stack (a caller that passed
     its own prompt_cache): checked once per cache, on its first call."""
-    _, step_codes = _codes()
-    frame = sys._getframe(1)
-    for _ in range(limit):
-        if frame is None:
-            return None
-        if frame.f_code in step_codes:
-            return frame.f_locals.get("kv_bits")
-        frame = frame.f_back
-    return None
+    return mlx_lm_internals.step_kv_bits(sys._getframe(1), limit)
 
 
 def check_kv_bits(kv_bits) -> None:

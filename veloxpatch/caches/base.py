@@ -297,7 +297,8 @@ class VeloxCache(RowStorage):
         """Every array the cache holds, by name, and its meta state as JSON under
         "meta": all mlx-lm's save_prompt_cache writes and from_state reads."""
         # mlx-lm evaluates `state` after each prefill chunk, never while decoding:
-        # the one signal that tells its lone last chunk from the last token.
+        # the one signal that tells its lone last chunk from the last token
+        # (generate_step's behaviour, pinned in mlx_lm_internals).
         self.phase.chunk_evaluated()
         return {**self.arrays(), "meta": json.dumps(self.meta_state)}
 

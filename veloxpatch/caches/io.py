@@ -20,6 +20,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..checked_io import load_checked, save_checked, verify
 from ..errors import CacheFileError, VeloxpatchError
+from ..mlx_lm_internals import make_loadable
 from .base import VeloxCache
 
 FORMAT = 2  # 2: checksummed, written at the exact path
@@ -28,8 +29,9 @@ INDEX_KEY = "veloxpatch"
 
 def register_with_mlx_lm() -> None:
     """Let mlx-lm's load_prompt_cache rebuild veloxpatch caches: it looks class
-    names up in `mlx_lm.models.cache`'s globals. Adds names, replaces none; run
-    by `apply` and `load_cache` (importing veloxpatch changes nothing)."""
+    names up in `mlx_lm.models.cache`'s globals (mlx_lm_internals.make_loadable).
+    Adds names, replaces none; run by `apply` and `load_cache` (importing
+    veloxpatch changes nothing)."""
     from . import ALGORITHMS
     from .eviction import EvictingCache
     from .kv_bits import quantized_variant
@@ -39,8 +41,7 @@ def register_with_mlx_lm() -> None:
         if issubclass(cls, EvictingCache):
             variants.append(quantized_variant(cls))
         for c in variants:
-            if getattr(mlx_cache, c.__name__, c) is c:
-                setattr(mlx_cache, c.__name__, c)
+            make_loadable(c)
 
 
 def save_cache(path, caches, metadata: dict | None = None) -> None:

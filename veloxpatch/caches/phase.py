@@ -14,7 +14,8 @@ len(prompt) - 1 = 1 mod prefill_step_size its last prefill chunk has one token,
 and only then is it followed by a lone last token. The forward cannot tell that
 chunk from the last token; mlx-lm tells them apart for us, since `generate_step`
 evaluates every cache's `state` after each prefill chunk and never while
-decoding: caches report that read with `chunk_evaluated()`.
+decoding (pinned in mlx_lm_internals): caches report that read with
+`chunk_evaluated()`.
 
 `ends` counts prompt ends; a cache that has seen fewer runs its `end_prompt`
 hook before attending (or at once, on `Patch.end_prompt()`).

@@ -19,12 +19,9 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-from mlx_lm.server import (
-    APIHandler,
-    ModelProvider,
-    _run_http_server,
-)
+from mlx_lm.server import APIHandler, ModelProvider
 
+from ..mlx_lm_internals import run_http_server, tokenize_request
 from .checks import BadRequest, check_body, check_length, model_limits
 from .cuts import CLIENT_GONE, Cut, CuttableGenerator, client_gone, stop_on_signals
 from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused
@@ -233,8 +230,11 @@ class Handler(APIHandler):
         copy: mlx-lm rewrites message contents in place)."""
         args = SimpleNamespace(chat_template_kwargs=self.chat_template_kwargs)
         with self.state.tokenizer_lock:
-            prompt = self.state.generator._tokenize(
-                self.state.provider.tokenizer, copy.deepcopy(request), args
+            prompt = tokenize_request(
+                self.state.generator,
+                self.state.provider.tokenizer,
+                copy.deepcopy(request),
+                args,
             )[0]
         # chat_template_kwargs can make the template return text or a dict,
         # which the generation thread would fail on outside its error handling
@@ -286,7 +286,7 @@ def run(cli_args, model, algo, options, *, max_kv_bytes=None, quantized=None):
     )
     handler = type("Handler", (Handler,), {"state": state})
     stop_on_signals()
-    _run_http_server(
+    run_http_server(
         cli_args.host, cli_args.port, state.generator, handler_class=handler
     )
     # a signal stopped it: requests are answered; a generation step still
