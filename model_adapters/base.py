@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
-import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +57,9 @@ class AttentionTarget:
 
 
 def call_source_sha256(cls: type) -> str:
-    return hashlib.sha256(inspect.getsource(cls.__call__).encode()).hexdigest()
+    from veloxpatch.mlx_lm_internals import source_sha256
+
+    return source_sha256(cls.__call__)
 
 
 def split_heads(t: mx.array, n_heads: int) -> mx.array:

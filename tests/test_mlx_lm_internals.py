@@ -1,6 +1,7 @@
 """mlx-lm's internals, behind one door (veloxpatch/mlx_lm_internals.py): every
 pin matches the installed mlx-lm (an upgrade fails loudly here), and a changed
-internal stops `apply` with one error naming it, before the model is touched."""
+internal or attention class stops `apply` with one error naming it, before the
+model is touched."""
 
 import ast
 import importlib
@@ -16,6 +17,7 @@ from tiny import tiny_model
 
 import veloxpatch
 from veloxpatch import mlx_lm_internals as door
+from veloxpatch import patcher
 from veloxpatch.api import patch_of
 from veloxpatch.errors import MlxLmChangedError, UnsupportedModelError
 
@@ -124,6 +126,41 @@ def test_server_parser_is_mlx_lms():
     parser = door.server_parser()
     flags = {s for a in parser._actions for s in a.option_strings}
     assert {"--port", "--prompt-cache-size", "--kv-bits", "--model"} <= flags
+
+
+# ---- the adapters' attention classes, checked at apply time ----------------------
+def test_a_changed_attention_source_stops_apply(monkeypatch):
+    call = llama.Attention.__dict__["__call__"]
+    changed_source(monkeypatch, call)
+    monkeypatch.setattr(patcher, "_CHECKED", {})  # checked earlier in this process
+    model = tiny_model("llama")
+    with pytest.raises(MlxLmChangedError) as e:
+        veloxpatch.apply(model, "full")
+    message = str(e.value)
+    assert "mlx_lm.models.llama.Attention.__call__" in message
+    assert ": source changed." in message
+    assert "python -m model_adapters.check mlx_lm.models.llama.Attention" in message
+    assert_untouched(model)
+
+
+def test_a_changed_attention_signature_stops_apply(monkeypatch):
+    original = llama.Attention.__dict__["__call__"]
+
+    def __call__(self, x, mask=None, cache=None, extra=None):
+        return original(self, x, mask, cache)
+
+    monkeypatch.setattr(llama.Attention, "__call__", __call__)
+    model = tiny_model("llama")
+    with pytest.raises(MlxLmChangedError, match="signature is now .*extra=None"):
+        veloxpatch.apply(model, "full")
+    assert patch_of(model) is None
+
+
+def test_an_unchanged_attention_class_is_checked_once(monkeypatch):
+    model = tiny_model("llama")
+    veloxpatch.apply(model, "full").restore()
+    monkeypatch.setattr(inspect, "getsource", pytest.fail)
+    veloxpatch.apply(model, "full").restore()
 
 
 # ---- the door is the only way in ------------------------------------------------

@@ -15,10 +15,12 @@ import inspect
 import weakref
 from dataclasses import dataclass, field
 
+import mlx_lm
 import wrapt
 
 from .attention import patched_forward
-from .errors import UnsupportedModelError
+from .errors import MlxLmChangedError, UnsupportedModelError
+from .mlx_lm_internals import CHECKED_WITH, source_sha256
 
 
 @dataclass
@@ -40,21 +42,38 @@ def _dispatch(wrapped, instance, args, kwargs):
     return entry[1](wrapped, instance, args, kwargs)
 
 
+# target -> the __call__ found to match it (checked once per function object)
+_CHECKED: dict = {}
+
+
 def check_target(target) -> type:
-    """The class still exists with the call signature the adapter was written for."""
+    """The class still exists with the call signature and source the adapter
+    was written for (its pins)."""
     try:
         cls = target.resolve()
     except (ImportError, AttributeError) as e:
         raise UnsupportedModelError(f"{target.key} not found in mlx-lm: {e}") from None
     call = cls.__dict__.get("__call__")
-    if call is None or not inspect.isfunction(getattr(call, "__wrapped__", call)):
+    call = getattr(call, "__wrapped__", call)  # a class already wrapped by us
+    if call is None or not inspect.isfunction(call):
         raise UnsupportedModelError(f"{target.key}.__call__ is not a plain function")
-    sig = str(inspect.signature(getattr(call, "__wrapped__", call)))
+    if _CHECKED.get(target) is call:
+        return cls
+    changed = []
+    sig = str(inspect.signature(call))
     if sig != target.signature:
-        raise UnsupportedModelError(
-            f"{target.key}.__call__ signature changed to {sig}; this veloxpatch "
-            f"adapter was written against mlx-lm 0.32 ({target.signature})"
+        changed.append(f"signature is now {sig}, was {target.signature}")
+    if source_sha256(call) != target.source_sha256:
+        changed.append("source changed")
+    if changed:
+        raise MlxLmChangedError(
+            f"{target.key}.__call__ in mlx-lm {mlx_lm.__version__} differs from "
+            f"{CHECKED_WITH}, the version this veloxpatch adapter was written "
+            f"against: {', '.join(changed)}. Re-check the adapter against the new "
+            "source and update its pins (python -m model_adapters.check "
+            f"{target.key})"
         )
+    _CHECKED[target] = call
     return cls
 
 
