@@ -52,21 +52,25 @@ def test_an_answer_never_depends_on_another_users_question(algo, opts):
     np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
 
 
-def test_agnostic_evictions_depend_on_no_question_text():
-    """streaming_llm's cache is kept as it is: what a later user gets depends on
-    how long the earlier question was (rows evicted meanwhile stay evicted),
-    never on what it asked."""
+@pytest.mark.parametrize("algo", ["streaming_llm", "knorm", "kvzip"])
+def test_a_cache_evicted_past_the_shared_prefix_is_not_reused(algo):
+    """Rows evicted after the shared document were chosen with what followed it
+    (the first user's question, or its length): the second user starts over
+    and gets what it gets alone. The first user's next turn still reuses."""
+    from test_kvzip import TOK
+
     model = tiny_model("llama")
-    ask_c = prompt_tokens(6, seed=13).tolist()
-    with veloxpatch.patched(model, "streaming_llm", budget=40) as patch:
+    ask_long = prompt_tokens(20, seed=13).tolist()
+    with veloxpatch.patched(model, algo, tokenizer=TOK, budget=40) as patch:
         patch.keep_snapshots = True
-        answers = []
-        for first in (ASK_A, ask_c):
-            store = BoundedPromptCache()
-            serve(model, store, DOC + first)
-            answers.append(serve(model, store, DOC + ASK_B))
-    assert answers[0][2] >= len(DOC) and answers[0][0] == answers[1][0]
-    np.testing.assert_allclose(np.array(answers[0][1]), np.array(answers[1][1]))
+        alone = serve(model, BoundedPromptCache(), DOC + ASK_B)
+        store = BoundedPromptCache()
+        toks, _, _ = serve(model, store, DOC + ask_long)
+        after = serve(model, store, DOC + ASK_B)
+        turn2 = serve(model, store, DOC + ask_long + toks[:-1] + ASK_A)
+    assert after[2] == 0 and after[0] == alone[0]
+    np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
+    assert turn2[2] >= len(DOC + ask_long)
 
 
 def test_expected_attention_keeps_nothing_for_later():

@@ -87,6 +87,10 @@ class VeloxCache(RowStorage):
         self.num_layers = num_layers
         self._init_storage()
         self.offset = 0  # tokens seen = absolute position of the next token
+        # tokens seen at the last eviction: a trim back past it is not the state
+        # those tokens alone leave (serve/kv.py reuses only trims before it)
+        self.evicted_at = None
+        self.decode_from = None  # tokens seen when the last prompt ended
         self.phase = PromptPhase()  # make_cache shares one across the layers
         self.phase_ends = 0  # prompt ends this cache has acted on
         self.scale = None  # the softmax scale of the layer, known after a call
@@ -138,6 +142,7 @@ class VeloxCache(RowStorage):
             if first:
                 self.take_snapshot(pending=True)
             self.phase_ends = self.phase.ends
+            self.decode_from = self.offset
             if self.keys is not None:
                 self.end_prompt()
             if snap and not first:
@@ -323,6 +328,8 @@ class VeloxCache(RowStorage):
             "layer": self.layer,
             "num_layers": self.num_layers,
             "padded": self.padded,
+            "evicted_at": self.evicted_at,
+            "decode_from": self.decode_from,
             "scale": self.scale,
             "phase_seen": self.phase_ends,
             **self.phase.as_meta(),
@@ -336,6 +343,9 @@ class VeloxCache(RowStorage):
         self.layer = int(m["layer"])
         self.num_layers = int(m["num_layers"])
         self.padded = bool(m["padded"])
+        at, since = m.get("evicted_at"), m.get("decode_from")
+        self.evicted_at = None if at is None else int(at)
+        self.decode_from = None if since is None else int(since)
         self.scale = None if m.get("scale") is None else float(m["scale"])
         self.phase = PromptPhase.from_meta(m)
         self.phase.members.append(weakref.ref(self))

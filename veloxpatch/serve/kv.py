@@ -147,6 +147,11 @@ class BoundedPromptCache(LRUPromptCache):
                 return None, tokens
             trim_prompt_cache(cache, 1)
             rest = tokens[-1:]
+        if cache is not None and not trimmed_exactly(cache, len(tokens) - len(rest)):
+            # rows evicted after the shared prefix were chosen with what followed
+            # it (another request's prompt): start over rather than reuse them
+            log.info("prompt cache: the nearest entry was trimmed past evictions")
+            return None, tokens
         return cache, rest
 
     def trim_to(self, *, n_sequences=None, n_bytes=None):
@@ -171,6 +176,19 @@ class BoundedPromptCache(LRUPromptCache):
             room = self.ledger.prompt_cache_room() if self.ledger else None
             if room is not None and self.nbytes > room:
                 self.trim_to(n_bytes=room)
+
+
+def trimmed_exactly(caches, shared: int) -> bool:
+    """Whether caches trimmed back to `shared` tokens depend on no other
+    request's prompt: no eviction happened once they had seen more, or only
+    generated tokens were trimmed (the shared tokens hold the whole prompt)."""
+    return all(
+        c.evicted_at is None
+        or c.evicted_at <= shared
+        or (c.decode_from is not None and c.decode_from <= shared)
+        for c in caches
+        if hasattr(c, "evicted_at")
+    )
 
 
 def kept_for_later(tokens, caches):
