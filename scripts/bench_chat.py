@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
-import json
 import os
 import re
 import shlex
@@ -52,6 +51,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import bench_serve
 from bench_serve import KV_LINE, serve_unpatched
 
 from veloxpatch.eval.passkey import INTRO, QUESTION, wilson
@@ -336,44 +336,15 @@ def stop(proc) -> None:
 def stream_chat(port: int, messages: list[dict], max_tokens: int) -> dict:
     """One streamed, greedy chat request: the reply, its time to first token,
     its usage (prompt, completion and cached prompt tokens)."""
-    body = json.dumps(
-        {
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
-    start = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
-    conn.request(
-        "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"}
-    )
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-    first, parts, usage, finish = None, [], None, None
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        msg = json.loads(line[6:])
-        usage = msg.get("usage") or usage
-        for choice in msg.get("choices", []):
-            finish = choice.get("finish_reason") or finish
-            content = choice.get("delta", {}).get("content")
-            if content:
-                first = first or time.perf_counter()
-                parts.append(content)
-    end = time.perf_counter()
-    usage = usage or {}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+    out = bench_serve.stream_chat(port, body, timeout=900)
+    usage = out["usage"]
     details = usage.get("prompt_tokens_details") or {}
     return {
-        "text": "".join(parts),
-        "finish_reason": finish,
-        "ttft_s": (first or end) - start,
-        "seconds": end - start,
+        "text": "".join(out["parts"]),
+        "finish_reason": out["finish_reason"],
+        "ttft_s": out["ttft_s"],
+        "seconds": out["seconds"],
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
         "cached_tokens": details.get("cached_tokens"),

@@ -108,27 +108,21 @@ def start(arm: str, port: int, log_path: Path) -> subprocess.Popen:
     raise RuntimeError(f"{arm}: server did not start, see {log_path}")
 
 
-def request(port: int, prompt: str, max_tokens: int, banned=()) -> dict:
-    """One streamed chat request: time to first token, completion tokens.
-    `banned` token ids get a logit bias of -1e9 (the end-of-text tokens, so
-    every arm generates exactly max_tokens)."""
+def stream_chat(port: int, body: dict, timeout: float = 600) -> dict:
+    """One streamed chat request (`body` without `stream`): the reply, its time
+    to first token, total seconds, finish reason and usage."""
     body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens,
-            "logit_bias": {str(t): -1e9 for t in banned},
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        {**body, "stream": True, "stream_options": {"include_usage": True}}
     )
     start = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.request(
         "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"}
     )
     resp = conn.getresponse()
-    first, chunks, usage = None, 0, None
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+    first, parts, usage, finish = None, [], None, None
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -136,17 +130,39 @@ def request(port: int, prompt: str, max_tokens: int, banned=()) -> dict:
         msg = json.loads(line[6:])
         usage = msg.get("usage") or usage
         for choice in msg.get("choices", []):
-            if choice.get("delta", {}).get("content"):
+            finish = choice.get("finish_reason") or finish
+            content = choice.get("delta", {}).get("content")
+            if content:
                 first = first or time.perf_counter()
-                chunks += 1
+                parts.append(content)
     end = time.perf_counter()
-    tokens = usage["completion_tokens"] if usage else chunks
     return {
-        "status": resp.status,
+        "parts": parts,
+        "finish_reason": finish,
         "ttft_s": (first or end) - start,
         "seconds": end - start,
-        "completion_tokens": tokens,
-        "prompt_tokens": usage["prompt_tokens"] if usage else None,
+        "usage": usage or {},
+    }
+
+
+def request(port: int, prompt: str, max_tokens: int, banned=()) -> dict:
+    """One streamed chat request: time to first token, completion tokens.
+    `banned` token ids get a logit bias of -1e9 (the end-of-text tokens, so
+    every arm generates exactly max_tokens)."""
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "logit_bias": {str(t): -1e9 for t in banned},
+        "temperature": 0.0,
+    }
+    out = stream_chat(port, body)
+    usage = out["usage"]
+    return {
+        "status": 200,
+        "ttft_s": out["ttft_s"],
+        "seconds": out["seconds"],
+        "completion_tokens": usage.get("completion_tokens", len(out["parts"])),
+        "prompt_tokens": usage.get("prompt_tokens"),
     }
 
 
