@@ -33,6 +33,7 @@ SECTIONS = [
     agnostic.compress_cost,
     serving.serve_bench,
     chat.chat_bench,
+    agnostic.kvzip_in_generate,
     eval_runs.passkey_all,
     agnostic.passkey_aware_new,
     eval_runs.quantized_ppl,

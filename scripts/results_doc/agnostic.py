@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import results_markdown as rm
 from results_markdown import command, grid, load, meta, table, wilson
 
 KEYS = ["arms", "budgets", "tasks", "protocol", "context", "cases", "out"]
@@ -37,8 +38,8 @@ def passkey_agnostic() -> list[str]:
         "context (`veloxpatch.copy_cache`), and every answer is scored. Cells are "
         "correct answers / answers (two per context, so answers of one context "
         "are not independent) with Wilson intervals. `kvzip` scores by its "
-        "reconstruction pass (`veloxpatch.context.reconstruct`); the SnapKV family "
-        "and `expected_attention` compress at the context's end, with no "
+        "reconstruction pass (`veloxpatch/caches/kvzip/reconstruct.py`); the "
+        "SnapKV family and `expected_attention` compress at the context's end, with no "
         "question in their window; mlx-lm's caches run the same contexts.",
         "",
         meta("passkey_agnostic", res),
@@ -138,5 +139,44 @@ def compress_cost() -> list[str]:
         "first takes about 1.8x the first); the scores come from the same softmax "
         "that gives the repeat's attention output. Smaller chunks cost less here; "
         "their quality is not measured, so the default stays the paper's 2,048.",
+        "",
+    ]
+
+
+IN_GENERATE = "passkey_kvzip_in_generate"
+
+
+def kvzip_in_generate() -> list[str]:
+    """kvzip with the question inside the prompt, as mlx_lm.generate runs it:
+    reconstructing the prompt from its ids, or scored by its window."""
+    if not (rm.RESULTS / f"{IN_GENERATE}.json").exists():
+        return []
+    res = load(IN_GENERATE)
+    rows, cfg = res["passkey"]["table"], res["config"]
+    pk = _by(rows)
+    z, w = pk[("kvzip", 256)], pk[("kvzip:reconstruct=false", 256)]
+    return [
+        "## kvzip inside mlx_lm.generate: its reconstruction, or the prompt's window",
+        "",
+        "With the question inside the prompt, as `mlx_lm.generate`, "
+        "`stream_generate` and the server run a prompt: `kvzip` records the "
+        "prompt's token ids and reconstructs the prompt before the call that "
+        "ends it (about 2x the prefill); where no ids reach it (batched "
+        "generation, no tokenizer, `reconstruct=false`) the prompt's last 32 "
+        "queries score instead (SnapKV's window score, kvzip's global choice). "
+        "Before this, a prompt ended inside `generate` was scored by the maximum "
+        "over its own queries, which left most layers a few scattered rows and "
+        "generated garbage.",
+        "",
+        meta(IN_GENERATE, res),
+        "",
+        *grid(rows, wilson),
+        "",
+        *command("veloxpatch eval", cfg, KEYS),
+        "",
+        f"At 256 rows the reconstruction answers {z['correct']}/{z['cases']}, the "
+        f"window {w['correct']}/{w['cases']}, `snapkv` "
+        f"{pk[('snapkv', 256)]['correct']}/{pk[('snapkv', 256)]['cases']}, "
+        f"`full` {pk[('full', None)]['correct']}/{pk[('full', None)]['cases']}.",
         "",
     ]
