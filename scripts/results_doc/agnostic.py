@@ -154,7 +154,7 @@ def kvzip_in_generate() -> list[str]:
     res = load(IN_GENERATE)
     rows, cfg = res["passkey"]["table"], res["config"]
     pk = _by(rows)
-    z, w = pk[("kvzip", 256)], pk[("kvzip:reconstruct=false", 256)]
+    z, w = pk[("kvzip", 256)], pk[("kvzip:reconstruct=False", 256)]
     return [
         "## kvzip inside mlx_lm.generate: its reconstruction, or the prompt's window",
         "",
@@ -166,7 +166,8 @@ def kvzip_in_generate() -> list[str]:
         "queries score instead (SnapKV's window score, kvzip's global choice). "
         "Before this, a prompt ended inside `generate` was scored by the maximum "
         "over its own queries, which left most layers a few scattered rows and "
-        "generated garbage.",
+        "generated garbage. (The run's one uncommitted change was its worktree's "
+        "`.venv` link, which `.gitignore` now covers.)",
         "",
         meta(IN_GENERATE, res),
         "",
