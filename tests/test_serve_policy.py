@@ -145,3 +145,37 @@ def test_the_same_prompt_again_has_a_token_left_to_prefill():
         first = serve(model, store, DOC + ASK_A)
         again = serve(model, store, DOC + ASK_A)
     assert again[2] == len(DOC + ASK_A) - 1 and again[0] == first[0]
+
+
+@pytest.mark.parametrize(
+    "algo,opts,reused",
+    [
+        ("expected_attention", dict(budget=40), False),
+        ("h2o", dict(budget=200), False),
+        ("snapkv", dict(budget=24, window=8), True),
+    ],
+)
+def test_a_segment_cache_trimmed_past_another_question_is_reused_only_if_exact(
+    algo, opts, reused
+):
+    """mlx-lm's server also keeps the cache at the end of a message, mid-prompt
+    (a "user" entry, not seen by kept_for_later). Trimmed back to the shared
+    document it must be the state the document alone leaves: not so where
+    running statistics keep the first user's question (expected_attention's
+    query moments, h2o's accumulated attention), so that entry is refused."""
+    import copy
+
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, algo, **opts) as patch:
+        patch.keep_snapshots = True
+        alone = serve(model, BoundedPromptCache(), DOC + ASK_B)
+        store = BoundedPromptCache()
+        cache = model.make_cache()
+        first = DOC + ASK_A
+        model(mx.array(first)[None], cache=cache)  # a prefill chunk, prompt going on
+        mx.eval([c.state for c in cache])
+        store.insert_cache(KEY, first, copy.deepcopy(cache), cache_type="user")
+        after = serve(model, store, DOC + ASK_B)
+    assert (after[2] >= len(DOC)) == reused, after[2]
+    assert after[0] == alone[0]
+    np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)

@@ -78,6 +78,9 @@ class VeloxCache(RowStorage):
     # (h2o's accumulated attention, knorm's norms, ...): kept with the rows an
     # eviction keeps, truncated with them, evaluated each step, saved and loaded.
     row_arrays: ClassVar[tuple[str, ...]] = ()
+    # Running statistics of every query seen (h2o's accumulated attention,
+    # expected_attention's moments): a trim leaves the trimmed queries in them.
+    trim_keeps_queries: ClassVar[bool] = False
 
     def __init__(
         self, options: CacheOptions | None = None, layer: int = 0, num_layers: int = 1
@@ -87,9 +90,10 @@ class VeloxCache(RowStorage):
         self.num_layers = num_layers
         self._init_storage()
         self.offset = 0  # tokens seen = absolute position of the next token
-        # tokens seen at the last eviction: a trim back past it is not the state
-        # those tokens alone leave (serve/kv.py reuses only trims before it)
-        self.evicted_at = None
+        # tokens seen when the state last took in what a trim cannot undo (an
+        # eviction; trimmed queries' statistics): a trim back past it is not the
+        # state those tokens alone leave (serve/kv.py reuses only trims before it)
+        self.irreversible_at = None
         self.decode_from = None  # tokens seen when the last prompt ended
         self.phase = PromptPhase()  # make_cache shares one across the layers
         self.phase_ends = 0  # prompt ends this cache has acted on
@@ -286,8 +290,11 @@ class VeloxCache(RowStorage):
 
     def trim(self, n):
         """Forget the last `n` tokens (speculative decoding, prompt-cache reuse);
-        rows evicted meanwhile stay evicted, running statistics keep them."""
+        rows evicted meanwhile stay evicted, running statistics keep them
+        (`irreversible_at` says so)."""
         n = max(0, min(int(n), self.offset))
+        if n and self.trim_keeps_queries:
+            self.irreversible_at = max(self.irreversible_at or 0, self.offset)
         if n and self.keys is not None:
             self.forget_after(self.offset - n)
         self.offset -= n
@@ -328,7 +335,7 @@ class VeloxCache(RowStorage):
             "layer": self.layer,
             "num_layers": self.num_layers,
             "padded": self.padded,
-            "evicted_at": self.evicted_at,
+            "irreversible_at": self.irreversible_at,
             "decode_from": self.decode_from,
             "scale": self.scale,
             "phase_seen": self.phase_ends,
@@ -343,8 +350,8 @@ class VeloxCache(RowStorage):
         self.layer = int(m["layer"])
         self.num_layers = int(m["num_layers"])
         self.padded = bool(m["padded"])
-        at, since = m.get("evicted_at"), m.get("decode_from")
-        self.evicted_at = None if at is None else int(at)
+        at, since = m.get("irreversible_at"), m.get("decode_from")
+        self.irreversible_at = None if at is None else int(at)
         self.decode_from = None if since is None else int(since)
         self.scale = None if m.get("scale") is None else float(m["scale"])
         self.phase = PromptPhase.from_meta(m)

@@ -254,7 +254,7 @@ class EvictingCache(VeloxCache):
         layer's heads and `head_counts` shares them out."""
         if self.rows <= n_keep and counts is None:
             return
-        self.evicted_at = self.offset
+        self.irreversible_at = self.offset
         if counts is None and self.adaptive_heads:
             counts, n_keep = self.head_counts(n_keep, scores)
         pos = self.positions_view()

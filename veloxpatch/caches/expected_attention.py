@@ -102,6 +102,7 @@ class ExpectedAttentionCache(EvictingCache):
     name = "expected_attention"
     # its query statistics keep every query seen, a trim cannot take one back
     prompt_cache_policy = "none"
+    trim_keeps_queries = True
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "expected attention of future queries (context query statistics) x |v|"
     note = (

@@ -40,6 +40,7 @@ class H2OCache(ProbabilityCache):
     summary = "accumulated attention of every real query (heavy hitters) + recent"
     Options = H2OOptions
     row_arrays = ("acc",)
+    trim_keeps_queries = True
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)

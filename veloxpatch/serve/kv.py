@@ -148,8 +148,8 @@ class BoundedPromptCache(LRUPromptCache):
             trim_prompt_cache(cache, 1)
             rest = tokens[-1:]
         if cache is not None and not trimmed_exactly(cache, len(tokens) - len(rest)):
-            # rows evicted after the shared prefix were chosen with what followed
-            # it (another request's prompt): start over rather than reuse them
+            # rows evicted (or statistics taken) after the shared prefix read what
+            # followed it (another request's prompt): start over, not reuse them
             log.info("prompt cache: the nearest entry was trimmed past evictions")
             return None, tokens
         return cache, rest
@@ -180,14 +180,15 @@ class BoundedPromptCache(LRUPromptCache):
 
 def trimmed_exactly(caches, shared: int) -> bool:
     """Whether caches trimmed back to `shared` tokens depend on no other
-    request's prompt: no eviction happened once they had seen more, or only
-    generated tokens were trimmed (the shared tokens hold the whole prompt)."""
+    request's prompt: nothing a trim cannot undo (an eviction, running query
+    statistics) happened once they had seen more, or only generated tokens
+    were trimmed (the shared tokens hold the whole prompt)."""
     return all(
-        c.evicted_at is None
-        or c.evicted_at <= shared
+        c.irreversible_at is None
+        or c.irreversible_at <= shared
         or (c.decode_from is not None and c.decode_from <= shared)
         for c in caches
-        if hasattr(c, "evicted_at")
+        if hasattr(c, "irreversible_at")
     )
 
 
