@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -289,10 +290,13 @@ def run(cli_args, model, algo, options, *, max_kv_bytes=None, quantized=None):
     run_http_server(
         cli_args.host, cli_args.port, state.generator, handler_class=handler
     )
-    # a signal stopped it: requests are answered; a generation step still
-    # running would hold the interpreter's exit (its thread is not a daemon)
+    # a signal stopped it: requests are answered. Exit without the interpreter's
+    # teardown: a generation step still running would hold it (its thread is
+    # not a daemon), and mlx's threads abort it ("terminate called ...", 134)
     if state.generator.busy():
         log.warning("generation still running a step: exiting without it")
-        logging.shutdown()
-        os._exit(0)
     log.info("stopped")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
