@@ -23,7 +23,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import greedy  # noqa: E402
-from test_contract import CONTRACT, HEAD_DIM, QUANTIZED, has_kv_bits  # noqa: E402
+from test_contract import CHUNKED, CONTRACT, HEAD_DIM, QUANTIZED, has_option  # noqa: E402
 from tiny import prompt_tokens, tiny_model  # noqa: E402
 
 import veloxpatch  # noqa: E402
@@ -48,13 +48,15 @@ def variants() -> list[tuple[str, str, dict]]:
         opts = CONTRACT[algo]
         out.append((algo, algo, opts))
         if algo in QUANTIZE_FIRST:
-            assert has_kv_bits(algo)
+            assert has_option(algo, "kv_bits")
             out.append((f"{algo}-kv8", algo, {**opts, **QUANTIZED}))
     # 2.5 bits a head: the two heads of a layer share 5, so they differ
     adaptive = dict(kv_bits="adaptive", target_bits=2.5, kv_residual=4)
     out.append(("snapkv-kvadaptive", "snapkv", {**CONTRACT["snapkv"], **adaptive}))
     kivi = dict(bits="adaptive", target_bits=2.5, residual=4)
     out.append(("kivi-adaptive", "kivi", kivi))
+    # cut mid-call every 8 prompt tokens, the heads of every rank sharing rows
+    out.append(("adakv-chunks", "adakv", {**CONTRACT["adakv"], **CHUNKED}))
     kvzip = {**CONTRACT["kvzip"], "layerwise": True}  # (pipeline: per layer)
     out.append(("kvzip-layerwise", "kvzip", kvzip))
     for algo in ("h2o", "expected_attention"):  # adakv is in the registry

@@ -43,15 +43,15 @@ CONTRACT = {
     "kvzip": dict(budget=12, sinks=2, window=4),
 }
 QUANTIZED = dict(kv_bits=8, kv_residual=4)
+CHUNKED = dict(compress="chunks", chunk=8)
 NOT_EVICTING = {"full", "a2ats", "kivi"}
 ARCHS = ["llama", "qwen3", "ministral3"]
 N, CHUNKS = 60, [9, 7, 11]  # prefill chunks, then single-token decode
 HEAD_DIM = 32  # quantized rows need groups of 32 channels
 
 
-def has_kv_bits(algo):
-    fields = {f.name for f in dataclasses.fields(algorithm(algo).Options)}
-    return "kv_bits" in fields
+def has_option(algo, name):
+    return name in {f.name for f in dataclasses.fields(algorithm(algo).Options)}
 
 
 def variants():
@@ -59,8 +59,11 @@ def variants():
     for algo in veloxpatch.algos():
         opts = CONTRACT.get(algo, {})
         out.append(pytest.param(algo, opts, id=algo))
-        if has_kv_bits(algo):
+        if has_option(algo, "kv_bits"):
             out.append(pytest.param(algo, {**opts, **QUANTIZED}, id=f"{algo}-kv8"))
+        if has_option(algo, "compress"):  # cut every 8 prompt tokens, mid-call too
+            chunked = {**opts, **CHUNKED}
+            out.append(pytest.param(algo, chunked, id=f"{algo}-chunks"))
     return out
 
 

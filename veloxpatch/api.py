@@ -108,7 +108,7 @@ class Patch:
             caches.append(cache)
         phase.size = len(caches)
         phase.keep_snapshot = (
-            self.keep_snapshots and self.cache_cls.prompt_cache_policy == "prompt"
+            self.keep_snapshots and self.cache_cls.policy_for(self.options) == "prompt"
         )
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches

@@ -46,6 +46,15 @@ class Seen:
 
 
 # An mlx-lm cache by its methods alone: mlx-lm duck-types caches (no base class).
+def piece_of(query_scale, part: slice, length: int):
+    """The query scale of queries `part` of a call of `length` (a per-query
+    array, [..., L, 1], or one for the whole call)."""
+    if isinstance(query_scale, mx.array) and query_scale.ndim >= 2:
+        if query_scale.shape[-2] == length:
+            return query_scale[..., part, :]
+    return query_scale
+
+
 class VeloxCache(RowStorage):
     """Dense attention with per-head storage; the parity path of `full`.
 
@@ -74,6 +83,14 @@ class VeloxCache(RowStorage):
     # "prompt": the copy taken as the prompt ends, before its question-aware
     # compression; "none": queries of the question evicted during the prompt.
     prompt_cache_policy: ClassVar[str] = "as_is"
+
+    @classmethod
+    def policy_for(cls, options) -> str:
+        """`prompt_cache_policy` with these options (compressing during the
+        prompt reads its queries, the question's among them: "none")."""
+        chunked = getattr(options, "prompt_chunk", lambda: None)() is not None
+        return "none" if chunked else cls.prompt_cache_policy
+
     # Per-row side state, each [B, Hkv, <= rows] aligned with the stored rows
     # (h2o's accumulated attention, knorm's norms, ...): kept with the rows an
     # eviction keeps, truncated with them, evaluated each step, saved and loaded.
@@ -117,6 +134,32 @@ class VeloxCache(RowStorage):
         self.phase.begin_call(self.layer, offset, L)
         self.scale = scale
         self.sync_phase()
+        if L == 1 or self.next_cut(offset, offset + L) is None:
+            return self._attend_piece(q, k, v, rope, scale, query_scale)
+        # a prompt call is attended in pieces ending where the cache cuts back
+        # (`next_cut`, then `chunk_done`): the caller's chunking changes nothing
+        outs, start = [], 0
+        while start < L:
+            cut = self.next_cut(offset + start, offset + L)
+            end = L if cut is None else cut - offset
+            part = slice(start, end)
+            outs.append(
+                self._attend_piece(
+                    q[:, :, part],
+                    k[:, :, part],
+                    v[:, :, part],
+                    rope,
+                    scale,
+                    piece_of(query_scale, part, L),
+                )
+            )
+            if cut is not None:
+                self.chunk_done()
+            start = end
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+    def _attend_piece(self, q, k, v, rope, scale, query_scale):
+        L, offset = q.shape[2], self.offset
         q_pre, k_pre = q, k
         q, k = self.rotate(q, k, rope, offset, query_scale)
         if self.probe is not None:
@@ -132,6 +175,14 @@ class VeloxCache(RowStorage):
         if side:  # evaluated with the logits, so lazy graphs never pile up
             out = mx.depends(out, side)
         return out
+
+    def next_cut(self, start: int, end: int) -> int | None:
+        """The first position in (start, end] of a prompt call at which this
+        cache cuts back during the prompt (`compress="chunks"`), or None."""
+        return None
+
+    def chunk_done(self) -> None:
+        """The prompt reached the position `next_cut` gave."""
 
     @property
     def in_prompt(self) -> bool:

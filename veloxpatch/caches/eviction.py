@@ -83,6 +83,19 @@ class EvictionOptions(CacheOptions):
         """Rows held beyond the budget while decoding (snapkv: its window)."""
         return 0
 
+    def prompt_chunk(self) -> int | None:
+        """Prompt tokens between compressions during the prompt, for the
+        algorithms that otherwise compress when it ends (`compress="chunks"`)."""
+        return None
+
+    def peak_extra_rows(self) -> int | None:
+        """Rows held beyond the budget at any point, prompt included, where the
+        cache bounds them (`compress="chunks"`: a chunk, or the decode's extra
+        rows); None where the caller's prefill chunk or the whole prompt is
+        held on top of the budget while the prompt is read."""
+        chunk = self.prompt_chunk()
+        return None if chunk is None else max(chunk, self.decode_extra_rows())
+
     def side_bytes(self, heads: int, head_dim: int) -> int:
         """Bytes a layer holds besides its rows, counted in nbytes (per sequence)."""
         return 0
@@ -182,6 +195,27 @@ def head_budgets(scores: mx.array, prefix: int, alpha: float) -> mx.array:
     return base + (rank < short).astype(mx.int32)
 
 
+@dataclasses.dataclass
+class PromptCompressionOptions(EvictionOptions):
+    """Options of the algorithms that score the prompt as it ends (SnapKV
+    family, expected_attention). `compress`: "prompt_end" (the whole prompt held
+    at full precision until it ends) or "chunks" (cut back to the budget every
+    `chunk` prompt tokens, at multiples of `chunk` whatever the caller's prefill
+    chunks, with what has been seen so far; the prompt's end compresses once
+    more): at most budget + chunk rows are ever held."""
+
+    compress: str = "prompt_end"
+    chunk: int = 512
+
+    def prompt_chunk(self):
+        return self.chunk if self.compress == "chunks" else None
+
+    def __post_init__(self):
+        check_choice("compress", self.compress, ("prompt_end", "chunks"))
+        check_int("chunk", self.chunk, 1)
+        super().__post_init__()
+
+
 class EvictingCache(VeloxCache):
     Options = EvictionOptions
 
@@ -221,6 +255,26 @@ class EvictingCache(VeloxCache):
 
     def compress_now(self, new_rows: int) -> bool:
         return self.rows > self.row_budget()
+
+    def next_cut(self, start: int, end: int) -> int | None:
+        # multiples of the chunk, skipping those where nothing is over budget:
+        # a budget above the context then attends exactly as "prompt_end"
+        chunk = self.options.prompt_chunk()
+        if chunk is None:
+            return None
+        # rows + (g - start) > budget from position g = first on
+        first = start + max(1, self.row_budget() - self.rows + 1)
+        cut = -(-first // chunk) * chunk  # the first multiple of chunk from there
+        return cut if cut <= end else None
+
+    def chunk_done(self) -> None:
+        # within the prompt, with the queries seen so far (snapkv: the chunk's
+        # last `window`); the prompt's end compresses once more
+        if self.rows > self.row_budget():
+            self.compress()
+
+    def compress(self) -> None:
+        self.evict_to(self.row_budget(), self.scores(None))
 
     def after_attend(self, q, new_rows: int) -> None:
         if self.compress_now(new_rows):

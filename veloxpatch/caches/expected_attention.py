@@ -34,7 +34,7 @@ import dataclasses
 import mlx.core as mx
 
 from .base import PAD_POSITION
-from .eviction import EvictingCache, EvictionOptions
+from .eviction import EvictingCache, PromptCompressionOptions
 from .options import check_int
 
 MAX_FUTURE = 1 << 16
@@ -42,11 +42,13 @@ ROPE_CHUNK = 256  # positions per rope call in `mean_rotation`
 
 
 @dataclasses.dataclass
-class ExpectedAttentionOptions(EvictionOptions):
+class ExpectedAttentionOptions(PromptCompressionOptions):
     """`n_future`: future positions the rotation is averaged over (paper and
     kvpress: 512). `sinks`: first tokens, kept and left out of the statistics
     (kvpress: 4). `window`: newest rows kept at every compression, and how many
-    decode rows accumulate before recompressing (kvpress protects none)."""
+    decode rows accumulate before recompressing (kvpress protects none).
+    `compress="chunks"`: every `chunk` prompt tokens, with the statistics of
+    the queries seen so far (`PromptCompressionOptions`)."""
 
     window: int = 16
     n_future: int = 512

@@ -1,10 +1,15 @@
 """`max_kv_bytes`: a budget priced in bytes, for every algorithm with a budget.
 
 The budget (rows per layer and KV head) is the largest one whose bound on the
-bytes held during decode, over every layer veloxpatch caches and every KV head,
-is at most `max_kv_bytes` (rounded down). The bound counts what `nbytes`
-counts, per layer and KV head, with r = budget + the rows the algorithm holds
-beyond its budget while decoding (snapkv's window):
+bytes held, over every layer veloxpatch caches and every KV head, is at most
+`max_kv_bytes` (rounded down). The bound counts what `nbytes` counts, per layer
+and KV head, with r = budget + the rows the algorithm holds beyond its budget
+at any point where the cache bounds them (`peak_extra_rows`: one prompt chunk
+with `compress="chunks"`, or snapkv's decode window). Otherwise the budget is
+priced for decode (r = budget + the decode's extra rows, `decode_extra_rows`):
+while the prompt is read the SnapKV family and expected_attention with
+`compress="prompt_end"`, kvzip and qfilters without a file hold the whole
+prompt, the others the caller's prefill chunk, on top of the budget.
 
 - rows in the model's dtype: r x (2 D x dtype size + 4) (keys, values, position);
 - with `kv_bits`: r rows, plus up to max(group, r / 4) holes (evicted rows not
@@ -92,10 +97,11 @@ def slot_bytes(options, head_dim: int, dtype_size: int, quantized: bool) -> int:
 
 
 def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:
-    """Upper bound on the bytes held while decoding at `budget` (module doc)."""
+    """Upper bound on the bytes held at `budget` (module doc)."""
     from .kv_bits import HOLE_SHARE
 
-    r = budget + options.decode_extra_rows()
+    extra = options.peak_extra_rows()
+    r = budget + (options.decode_extra_rows() if extra is None else extra)
     total = 0.0
     layers = zip(dims.heads, dims.kv_heads, dims.head_dims, dims.sliding)
     for heads, kv_heads, d, sliding in layers:

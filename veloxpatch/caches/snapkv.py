@@ -23,16 +23,18 @@ import mlx.core as mx
 
 from ..errors import OptionError
 from .attention_math import newest_queries, query_probs
-from .eviction import EvictingCache, EvictionOptions
+from .eviction import EvictingCache, PromptCompressionOptions
 from .options import check_choice, check_int, check_number
 
 
 @dataclasses.dataclass
-class SnapKVOptions(EvictionOptions):
+class SnapKVOptions(PromptCompressionOptions):
     """`window`: observation window of last queries, always kept. `kernel`: odd
     pooling width over positions. `pool`: "max" or "avg". `sinks`: default 0.
     `lookahead`: answer tokens to wait for before the prompt-end compression.
-    `answer_weight`: weight of each answer-time query against a prompt query."""
+    `answer_weight`: weight of each answer-time query against a prompt query.
+    `compress="chunks"`: every `chunk` prompt tokens, by the last `window`
+    queries before that point (`PromptCompressionOptions`)."""
 
     sinks: int = 0
     window: int = 32
@@ -56,6 +58,11 @@ class SnapKVOptions(EvictionOptions):
         if self.kernel % 2 == 0:
             raise OptionError(f"kernel must be odd, got {self.kernel}")
         check_choice("pool", self.pool, ("max", "avg"))
+        if self.lookahead and self.compress == "chunks":
+            raise OptionError(
+                "lookahead waits for answer tokens holding the whole prompt; "
+                'it needs compress="prompt_end"'
+            )
         if self.lookahead * 4 > self.budget:
             # The k answer rows are kept on top of the window: a large k would
             # leave little of the budget to the scored prompt.

@@ -8,7 +8,8 @@ its response ends:
   or the whole prompt at full precision if more, since the others hold at most
   budget + a prefill chunk; plus the whole prompt for the algorithms whose
   prompt-end snapshot the prompt cache keeps (`kept_for_later`: the SnapKV
-  family, expected_attention, kvzip), held until the request ends;
+  family and kvzip), held until the request ends. With `compress="chunks"`
+  the bound alone (budget + one chunk is all a request ever holds);
 - any other cache (full, kivi, ...): prompt + max_tokens rows at full precision.
 Rows are rounded up to the 256-row growth step, and positions (4 bytes a row)
 are counted. It is a bound, not a measurement: the per-request log line says
@@ -60,17 +61,22 @@ class KVEstimate:
         self.patched_row = sum(h * (2 * d * dtype + 4) for h, d, s in layers if not s)
         self.full_row = sum(h * 2 * d * dtype for h, d, _ in layers)
         # the snapshot the prompt cache keeps (kept_for_later) is held too
-        self.snapshot = patch.cache_cls.prompt_cache_policy == "prompt"
+        self.snapshot = patch.cache_cls.policy_for(options) == "prompt"
         budget = getattr(options, "budget", None)
         self.decode_bound = (
             None if budget is None else bound_bytes(options, dims, dtype, budget)
         )
+        # compress="chunks": that bound holds while the prompt is read too
+        peak = getattr(options, "peak_extra_rows", lambda: None)()
+        self.bounds_prompt = peak is not None
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         rows = full_rows(prompt_tokens + max_tokens)
         held = self.sliding_row * rows
         if self.decode_bound is None:
             return held + self.patched_row * rows
+        if self.bounds_prompt:
+            return held + int(self.decode_bound)
         prompt = self.patched_row * full_rows(prompt_tokens)
         if self.snapshot:
             return held + int(self.decode_bound + prompt)
@@ -203,7 +209,7 @@ def kept_for_later(tokens, caches):
     from ..caches import VeloxCache
 
     ours = [c for c in caches if isinstance(c, VeloxCache)]
-    policy = type(ours[0]).prompt_cache_policy if ours else "as_is"
+    policy = type(ours[0]).policy_for(ours[0].options) if ours else "as_is"
     if policy == "as_is":
         return tokens, caches, "assistant"
     snapshot = ours[0].phase.snapshot if policy == "prompt" else None
