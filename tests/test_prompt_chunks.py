@@ -177,3 +177,62 @@ def test_the_server_keeps_nothing_of_a_chunked_prompt_and_reserves_its_bound():
     with veloxpatch.patched(model, "snapkv", **opts) as patch:
         prompt_end = KVEstimate(patch).request_bytes(5000, 16)
     assert chunked < prompt_end / 5
+
+
+def kvzip_calls(limit):
+    """A tiny model patched with kvzip under max_kv_bytes, and a count of the
+    whole-model calls that reached it."""
+    from test_kvzip import TOK
+
+    model = tiny_model("llama")
+    patch = veloxpatch.apply(model, "kvzip", tokenizer=TOK, max_kv_bytes=limit)
+    calls = []
+    real = type(model).__call__
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+
+    return model, patch, calls, counted
+
+
+def test_kvzip_refuses_a_context_its_reconstruction_cannot_hold(monkeypatch):
+    """max_kv_bytes buys kvzip its budget, but the reconstruction pass holds the
+    whole context at full precision: a context over the bytes is refused with
+    one line, before any model call (`prefill`), or at the first prompt chunk
+    past it inside mlx-lm's generate, before the pass."""
+    from test_kvzip import TOK
+
+    model, patch, calls, counted = kvzip_calls(80_000)
+    monkeypatch.setattr(type(model), "__call__", counted)
+    short = prompt_tokens(30).tolist()
+    patch.prefill(short, tokenizer=TOK)  # fits: 30 rows
+    calls.clear()
+    with pytest.raises(OptionError, match="kvzip holds the whole context") as err:
+        patch.prefill(PROMPT, tokenizer=TOK)
+    assert "\n" not in str(err.value) and calls == []
+    with pytest.raises(OptionError, match="max_kv_bytes"):
+        greedy(model, mx.array(PROMPT), 2, 16, prompt_cache=patch.make_cache())
+    patch.restore()
+
+
+def test_kvzip_without_max_kv_bytes_takes_any_context():
+    from test_kvzip import TOK
+
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=24) as patch:
+        patch.prefill(PROMPT, tokenizer=TOK)
+
+
+def test_generate_cli_refuses_a_kvzip_context_over_max_kv_bytes(monkeypatch):
+    from click.testing import CliRunner
+    from test_kvzip import TOK
+
+    from veloxpatch import models
+    from veloxpatch.cli import main
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: (tiny_model("llama"), TOK))
+    args = ["generate", "--algo", "kvzip", "--max-kv-bytes", "80KB", "--no-chat"]
+    res = CliRunner().invoke(main, [*args, "--prompt", "word " * 60])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and "kvzip holds the whole context" in res.stderr

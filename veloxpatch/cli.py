@@ -81,6 +81,13 @@ main.add_command(cli_serve.serve)
     help="a context compressed by `veloxpatch compress`: the prompt is a question "
     "about it (the file gives the algorithm)",
 )
+@click.option(
+    "--prefill-step",
+    type=Count(1),
+    default=2048,
+    show_default=True,
+    help="tokens per prefill call (mlx-lm's prefill_step_size)",
+)
 @user_errors
 def generate(
     model,
@@ -94,8 +101,12 @@ def generate(
     chat,
     quantized,
     cache_path,
+    prefill_step,
 ):
-    """Patch the model with ALGO and stream a generation, then print stats."""
+    """Patch the model with ALGO and stream a generation, then print stats
+    (the peak is mlx's peak memory above what was in use before the prompt:
+    the KV cache and the activations, not the weights)."""
+    import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -125,8 +136,16 @@ def generate(
     else:
         prompt = chat_prompt(tokenizer, prompt, chat)
     with apply(m, algo=algo, tokenizer=tokenizer, **options) as patch:
+        if isinstance(prompt, str):  # as stream_generate would encode it
+            bos = getattr(tokenizer, "bos_token", None)
+            special = bos is None or not prompt.startswith(bos)
+            prompt = tokenizer.encode(prompt, add_special_tokens=special)
+        patch.check_context(len(prompt))
         caches = caches if caches is not None else patch.make_cache()
         last = None
+        mx.synchronize()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
         for last in stream_generate(
             m,
             tokenizer,
@@ -134,6 +153,7 @@ def generate(
             max_tokens=max_tokens,
             sampler=make_sampler(temp=temp),
             prompt_cache=caches,
+            prefill_step_size=prefill_step,
         ):
             click.echo(last.text, nl=False)
         click.echo()
@@ -144,7 +164,8 @@ def generate(
             f"[{label}] prompt {last.prompt_tokens} tok | generated "
             f"{last.generation_tokens} tok | prefill {last.prompt_tps:.1f} tok/s | "
             f"decode {last.generation_tps:.1f} tok/s | KV held {kv_bytes(caches):,} B"
-            f" | full KV {full_kv_bytes(caches):,} B",
+            f" | full KV {full_kv_bytes(caches):,} B | peak "
+            f"{max(0, mx.get_peak_memory() - before):,} B (chunk {prefill_step})",
             err=True,
         )
 

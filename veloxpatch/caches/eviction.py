@@ -88,6 +88,10 @@ class EvictionOptions(CacheOptions):
         algorithms that otherwise compress when it ends (`compress="chunks"`)."""
         return None
 
+    def check_context(self, dims, dtype_size: int, n_tokens: int) -> None:
+        """Refuse, before any work, a context of `n_tokens` this algorithm
+        cannot process within `max_kv_bytes` (kvzip). Default: any fits."""
+
     def peak_extra_rows(self) -> int | None:
         """Rows held beyond the budget at any point, prompt included, where the
         cache bounds them (`compress="chunks"`: a chunk, or the decode's extra
@@ -168,6 +172,7 @@ class EvictionOptions(CacheOptions):
             opts = type(self).create(
                 algo, {**given, "budget": budget, "max_kv_bytes": None}
             )
+            opts.bytes_limit = limit  # what the budget was bought with
         except OptionError as e:
             raise OptionError(
                 f"max_kv_bytes={self.max_kv_bytes!r} buys {budget} rows per layer "

@@ -101,6 +101,23 @@ class KVzipOptions(EvictionOptions):
     def row_side_bytes(self):
         return 4  # each kept row's float32 score (a later prompt is chosen again)
 
+    def check_context(self, dims, dtype_size, n_tokens):
+        # the reconstruction pass scores the whole context at full precision,
+        # plus one repeated chunk: inherent to the method
+        limit = getattr(self, "bytes_limit", None)
+        if limit is None:
+            return
+        rows = n_tokens + min(self.chunk, n_tokens)
+        layers = zip(dims.kv_heads, dims.head_dims, dims.sliding)
+        need = sum(h * rows * (2 * d * dtype_size + 4) for h, d, s in layers if not s)
+        if need > limit:
+            raise OptionError(
+                f"kvzip holds the whole context at full precision while its "
+                f"reconstruction pass scores it: {n_tokens} tokens need "
+                f"{need:,} bytes, over max_kv_bytes ({limit:,}); use a shorter "
+                "context, a larger max_kv_bytes, or snapkv with compress=chunks"
+            )
+
     def __post_init__(self):
         check_number("floor", self.floor, 0, 1)
         check_int("window", self.window, 0)

@@ -79,6 +79,9 @@ def model_forward(cls, patch, wrapped, model, args, kwargs):
     if first.phase.would_end(n):
         _score_segment(patch, model, caches, zipped)
     elif first.phase.takes_prompt(n):
+        # mlx-lm's generate shows the prompt a chunk at a time: refused as
+        # soon as what it has shown cannot be reconstructed within the bytes
+        patch.check_context(first.rows + n)
         first.phase.record(first.offset, ids[0].tolist())
     return wrapped(*args, **kwargs)
 
