@@ -77,3 +77,27 @@ def test_budgets_share_one_attended_prefill(algo):
         opts = dict(budget=budget, **extra)
         assert_replay_is_direct(model, captured, prompt, tail, algo, opts)
     assert len(captured.attended) == 1
+
+
+def test_an_arm_cutting_inside_the_captured_call_is_prefilled_directly():
+    """compress="chunks" cuts back mid-call: later layers see other inputs than
+    the captured dense run, so the eval prefills that arm itself."""
+    from veloxpatch.eval.arms import Arm
+    from veloxpatch.eval.sessions import Prefills, arm_caches
+
+    model = tiny_model("llama")
+    prompt = prompt_tokens(40).tolist()
+    tail = [prompt[-1], 5, 17]
+    opts = dict(budget=14, window=4, compress="chunks", chunk=8)
+    with veloxpatch.patched(model, "snapkv", **opts) as patch:
+        direct = patch.make_cache()
+        model(mx.array(prompt[:-1])[None], cache=direct)
+        ref = continue_from(model, direct, tail)
+    prefills = Prefills(model, prompt[:-1], [Arm("snapkv", opts)])
+    with arm_caches(model, Arm("snapkv", opts), prompt[:-1], prefills) as (c, shared):
+        got = continue_from(model, c, tail)
+    assert not shared and mx.array_equal(got, ref)
+    replayed = capture_prefill(model, prompt[:-1]).caches("snapkv", opts)
+    with veloxpatch.patched(model, "snapkv", **opts):
+        wrong = continue_from(model, replayed, tail)
+    assert not mx.array_equal(wrong, ref)  # what the replay would have given

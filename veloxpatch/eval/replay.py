@@ -38,7 +38,10 @@ class Captured:
         opts = bound or api.make_options(algo, options)[1]
         cls = api.algorithm(algo).for_options(opts)
         n = len(self.calls)
-        if chunks or any(len(calls) != 1 for calls in self.calls):
+        # caches that cut inside a call (compress="chunks") attend it whole here,
+        # which is not what a direct run gives (sessions.arm_caches prefills them)
+        cuts = getattr(opts, "prompt_chunk", lambda: None)() is not None
+        if chunks or cuts or any(len(calls) != 1 for calls in self.calls):
             caches = [cls(opts, layer, n) for layer in range(n)]
             for cache, calls in zip(caches, self.calls):
                 for q, k, v, rope, scale, query_scale in _split(calls, chunks):

@@ -157,7 +157,12 @@ def arm_caches(model, arm: Arm, head, prefills=None, prefill_step_size=2048):
         prefill_head(model, caches, head, prefill_step_size, peer_quantizer(arm))
         yield caches, False
         return
-    captured = prefills.captured() if prefills is not None else None
+    # a cache that cuts back inside the one captured call changes what later
+    # layers see of its later tokens: the replay would not be exact
+    bound = api.make_options(arm.algo, arm.options, model)[1]
+    chunk = getattr(bound, "prompt_chunk", lambda: None)()
+    replayable = prefills is not None and (chunk is None or chunk >= len(head))
+    captured = prefills.captured() if replayable else None  # (before patching)
     with api.patched(model, algo=arm.algo, **arm.options) as patch:
         if captured is not None:
             yield captured.caches(arm.algo, arm.options, bound=patch.options), True
