@@ -174,9 +174,11 @@ class EvictionOptions(CacheOptions):
             )
             opts.bytes_limit = limit  # what the budget was bought with
         except OptionError as e:
+            chunk = self.prompt_chunk()
+            held = f" besides one chunk ({chunk} rows: lower chunk)" if chunk else ""
             raise OptionError(
                 f"max_kv_bytes={self.max_kv_bytes!r} buys {budget} rows per layer "
-                f"and KV head on this model, too few: {e}"
+                f"and KV head on this model{held}, too few: {e}"
             ) from None
         return opts.bind(model, dims)
 
