@@ -1,131 +1,383 @@
-"""Process peak memory during a long decode, per arm, each arm in its own process.
+"""Peak memory per arm and context length, prefill and decode apart, each
+(arm, context) in its own process.
 
-Every arm prefills the same `--context` prose tokens through mlx-lm's
-generate_step (prefill chunks of 2048), then decodes `--decode-tokens` greedy
-tokens. When the first token is out, mlx's buffer cache is cleared and the
-process's peak resident set (VmHWM, reset through /proc/self/clear_refs) and
-mlx's peak allocation are reset, so the peaks reported are those of the decode
-alone; the prefill's transient attention buffers do not count. Both include the
-weights (`weights_mb`). `unpatched` is mlx-lm with the model's own
-caches; `mlx.quantized:kv_bits=B` is mlx-lm's kv_bits path (start 0).
+Every run prefills `--contexts` prose tokens (evaluation text) through mlx-lm's
+generate_step in chunks of `--prefill-step` tokens (mlx-lm's
+prefill_step_size; the chunk size is recorded with the results), then decodes
+`--decode-tokens` greedy tokens (`veloxpatch.eval.bench.measure`). Reported per
+phase: mlx's peak above the memory in use before the prompt (the weights and
+the empty caches: `mx.reset_peak_memory()` before, `mx.get_peak_memory()`
+after, minus `mx.get_active_memory()` before) and the process's peak resident
+set (VmHWM, reset through /proc/self/clear_refs after mlx's buffer cache is
+emptied). The prefill runs to the first token out; the decode is the rest.
+Also: KV bytes held when the first token is out and at the end, prefill
+seconds, decode tok/s.
 
-    .venv/bin/python scripts/bench_memory.py --context 4000 --decode-tokens 512
+Arms are written `NAME[:key=value,...]` and passed through as they are:
+`unpatched` (mlx-lm's own caches), `mlx.rotating:budget=N` (mlx-lm's
+RotatingKVCache of N rows, 4 sinks), `mlx.quantized:kv_bits=B` (mlx-lm's
+QuantizedKVCache from the first token: kv_bits with quantized_kv_start=0) and
+every veloxpatch algorithm, e.g. `snapkv:budget=512,compress=chunks,chunk=256`.
+The default arms are those three and every veloxpatch algorithm with a
+budget, at `--budget` rows, plus `compress=chunks` for those that take it.
+
+    .venv/bin/python scripts/bench_memory.py --contexts 2048,4096,8192,16384 \\
+        --prefill-step 512 --decode-tokens 32 \\
+        --out scripts/results/bench_memory_peak.json
+
+Results are written after every run, so an interrupted benchmark keeps what it
+measured; `--plot` (SVG, no plotting library) draws the peaks against context
+length, one line per arm, and `--plot-only` redraws it from a results file.
+A run that fails (out of memory, an arm refusing a context) is recorded with
+its error and the benchmark goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-ARMS = (
-    "unpatched,full,kivi:bits=2,kivi:bits=4,mlx.quantized:kv_bits=4,"
-    "snapkv:budget=512,snapkv:budget=512,kv_bits=4"
-)
-
-
-def status_mb(field: str) -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
+MB = 2**20
+BUDGET = 512
+DEFAULT_OUT = "scripts/results/bench_memory_peak.json"
 
 
-def measure(arm_text: str, context: int, decode: int) -> dict:
-    """Run in a child process: one arm, one prefill, one long decode."""
+def default_arms(budget: int = BUDGET) -> list[str]:
+    """mlx-lm's three, then every veloxpatch algorithm taking a budget at
+    `budget` rows (and with compress="chunks" where it has that option)."""
+    from veloxpatch.caches import ALGORITHMS
+    from veloxpatch.eval.arms import takes_budget
+
+    arms = ["unpatched", f"mlx.rotating:budget={budget}", "mlx.quantized:kv_bits=4"]
+    for name in sorted(ALGORITHMS):
+        if not takes_budget(name):
+            continue
+        arms.append(f"{name}:budget={budget}")
+        if "compress" in ALGORITHMS[name].Options.__dataclass_fields__:
+            arms.append(f"{name}:budget={budget},compress=chunks")
+    return arms
+
+
+def check_arms(texts: list[str]) -> list[str]:
+    """Parse and validate every arm before anything runs (an unknown name or
+    option exits here, not an hour in); the arms' labels."""
+    from veloxpatch import api
+    from veloxpatch.eval import peers
+    from veloxpatch.eval.arms import is_peer, parse_arm
+
+    labels = []
+    for text in texts:
+        arm = parse_arm(text)
+        if is_peer(arm.algo):
+            reason = peers.check(arm.algo, dict(arm.options))
+            if reason is not None:
+                raise SystemExit(f"{arm.label}: {reason}")
+        else:
+            api.make_options(arm.algo, arm.options)
+        labels.append(arm.label)
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise SystemExit(f"--arms names {', '.join(twice)} twice")
+    return labels
+
+
+def row_of(arm: str, context: int, step: int, m: dict, loaded: dict) -> dict:
+    """A results row from `bench.measure(..., rss=True)`: bytes as measured,
+    MB (2^20) for the resident set, and the decode-only fields of the earlier
+    decode benchmark (`mlx_peak_decode_mb`, weights included)."""
+    before = m["active_before_bytes"]
+    return {
+        "arm": arm,
+        "context": context,
+        "prefill_step_size": step,
+        "decoded": m["decoded"],
+        "weights_bytes": loaded["weights_bytes"],
+        "active_before_bytes": before,
+        "prefill_peak_bytes": m["prefill_peak_bytes"],
+        "decode_peak_bytes": m["decode_peak_bytes"],
+        "kv_bytes_prefill_end": m["kv_bytes_prefill_end"],
+        "kv_bytes": m["kv_bytes"],
+        "prefill_seconds": round(m["prefill_seconds"], 3),
+        "prefill_tok_s": round(m["prefill_tok_per_s"], 2),
+        "decode_tok_s": round(m["decode_tok_per_s"], 3),
+        "rss_after_load_mb": loaded["rss_after_load_mb"],
+        "rss_before_prefill_mb": _mb(m.get("rss_before_mb")),
+        "peak_rss_prefill_mb": _mb(m.get("peak_rss_prefill_mb")),
+        "rss_decode_start_mb": _mb(m.get("rss_decode_start_mb")),
+        "peak_rss_decode_mb": _mb(m.get("peak_rss_decode_mb")),
+        # as the decode-only benchmark reported them (bench_memory.json)
+        "weights_mb": round(loaded["weights_bytes"] / MB, 1),
+        "mlx_peak_prefill_mb": round((before + m["prefill_peak_bytes"]) / MB, 1),
+        "mlx_peak_decode_mb": round((before + m["decode_peak_bytes"]) / MB, 1),
+        "kv_mb_end": round(m["kv_bytes"] / MB, 2),
+    }
+
+
+def _mb(value):
+    return None if value is None else round(value, 1)
+
+
+def child(arm_text: str, context: int, decode: int, step: int) -> dict:
+    """Run in a process of its own: one arm, one context."""
     from veloxpatch import blas
 
     blas.preload()
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.generate import generate_step
 
     import veloxpatch
     from veloxpatch.eval.arms import parse_arm
+    from veloxpatch.eval.bench import measure, status_mb
     from veloxpatch.eval.text import prose_tokens
-    from veloxpatch.memory import kv_bytes
 
     arm = parse_arm(arm_text)
     model, tokenizer = veloxpatch.load()
     ids = prose_tokens(tokenizer, context, "evaluation")
-    kwargs, patch = {}, None
-    if arm.algo == "mlx.quantized":
-        kwargs = dict(kv_bits=arm.options["kv_bits"], quantized_kv_start=0)
-        caches = model.make_cache()
-    elif arm.algo == "unpatched":
-        caches = model.make_cache()
-    else:
-        patch = veloxpatch.apply(model, arm.algo, **arm.options)
-        caches = model.make_cache()
     mx.eval(model.parameters())
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-    loaded = status_mb("VmRSS")
-    steps = generate_step(
-        mx.array(ids), model, max_tokens=decode + 1, prompt_cache=caches, **kwargs
-    )
-    next(steps)  # prefill done, first token out
-    mx.clear_cache()  # hand the prefill's freed buffers back to the system
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident set
-    mx.reset_peak_memory()
-    start_rss = status_mb("VmRSS")
-    t0 = time.perf_counter()
-    n = sum(1 for _ in steps)
-    seconds = time.perf_counter() - t0
-    result = dict(
-        arm=arm.label,
-        context=context,
-        decoded=n,
-        weights_mb=round(weights / 2**20, 1),
-        rss_after_load_mb=round(loaded, 1),
-        rss_decode_start_mb=round(start_rss, 1),
-        peak_rss_decode_mb=round(status_mb("VmHWM"), 1),
-        mlx_peak_decode_mb=round(mx.get_peak_memory() / 2**20, 1),
-        kv_mb_end=round(kv_bytes(caches) / 2**20, 2),
-        decode_tok_s=round(n / seconds, 2),
-    )
-    if patch is not None:
-        patch.restore()
-    return result
+    loaded = {"weights_bytes": weights, "rss_after_load_mb": _mb(status_mb("VmRSS"))}
+    try:
+        m = measure(model, arm, ids, decode, step, rss=True)
+    except Exception as e:  # recorded, and the benchmark goes on
+        error = f"{type(e).__name__}: {e}"
+        where = {"arm": arm.label, "context": context, "prefill_step_size": step}
+        return {**where, "error": error}
+    return row_of(arm.label, context, step, m, loaded)
 
 
-def main():
+def run_child(arm: str, args, context: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", arm, "--contexts", str(context)]
+    cmd += ["--decode-tokens", str(args.decode_tokens)]
+    cmd += ["--prefill-step", str(args.prefill_step_size)]
+    failed = {
+        "arm": arm,
+        "context": context,
+        "prefill_step_size": args.prefill_step_size,
+    }
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {**failed, "error": f"timed out after {args.timeout} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {**failed, "error": f"exit {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def report(r: dict) -> str:
+    head = f"{r['context']:>6} {r['arm']:<44}"
+    if "error" in r:
+        return f"{head} FAILED {r['error']}"
+    rss = [r.get(k) for k in ("peak_rss_prefill_mb", "peak_rss_decode_mb")]
+    rss = "/".join("?" if v is None else f"{v:.0f}" for v in rss)
+    return (
+        f"{head} prefill peak {r['prefill_peak_bytes'] / 1e6:8.1f} MB "
+        f"decode peak {r['decode_peak_bytes'] / 1e6:7.1f} MB "
+        f"KV {r['kv_bytes'] / 1e6:7.2f} MB  RSS {rss} MB  "
+        f"prefill {r['prefill_seconds']:.1f} s  {r['decode_tok_s']:.2f} tok/s"
+    )
+
+
+# ---- the plot: an SVG with no plotting library -------------------------------
+
+PALETTE = (
+    "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 "
+    "#17becf #393b79 #637939 #8c6d31 #843c39 #7b4173 #3182bd"
+).split()
+PANEL_W, PANEL_H, PAD, LEGEND_W = 430, 330, 58, 300
+PANELS = (
+    ("prefill_peak_bytes", "prefill peak above the weights"),
+    ("decode_peak_bytes", "decode peak above the weights"),
+)
+
+
+def _colour(arm: str, colours: dict) -> str:
+    algo = arm.split(":")[0]
+    return colours.setdefault(algo, PALETTE[len(colours) % len(PALETTE)])
+
+
+def _panel(x0, rows, arms, key, title, colours, top) -> list[str]:
+    contexts = sorted({r["context"] for r in rows})
+    lo, hi = math.log2(contexts[0]), math.log2(contexts[-1])
+    inner_w, inner_h = PANEL_W - 1.5 * PAD, PANEL_H - 1.8 * PAD
+
+    def x(c):
+        return x0 + PAD + (math.log2(c) - lo) / ((hi - lo) or 1) * inner_w
+
+    def y(v):
+        return PANEL_H - PAD - v / top * inner_h
+
+    out = [
+        f'<text x="{x0 + PANEL_W / 2}" y="20" text-anchor="middle" '
+        f'font-size="14">{title}</text>',
+        f'<line x1="{x0 + PAD}" y1="{PANEL_H - PAD}" x2="{x0 + PAD + inner_w}" '
+        f'y2="{PANEL_H - PAD}" stroke="black"/>',
+        f'<line x1="{x0 + PAD}" y1="{PANEL_H - PAD}" x2="{x0 + PAD}" '
+        f'y2="{PANEL_H - PAD - inner_h}" stroke="black"/>',
+        f'<text x="{x0 + PAD + inner_w / 2}" y="{PANEL_H - 14}" '
+        'text-anchor="middle" font-size="12">context (tokens, log scale)</text>',
+        f'<text x="{x0 + 14}" y="{PANEL_H / 2}" text-anchor="middle" font-size="12" '
+        f'transform="rotate(-90 {x0 + 14} {PANEL_H / 2})">MB</text>',
+    ]
+    for c in contexts:
+        out.append(
+            f'<text x="{x(c):.1f}" y="{PANEL_H - PAD + 14}" text-anchor="middle" '
+            f'font-size="10">{c:,}</text>'
+        )
+    for i in range(5):
+        v = top * i / 4
+        out.append(
+            f'<text x="{x0 + PAD - 4}" y="{y(v) + 3:.1f}" text-anchor="end" '
+            f'font-size="10">{v / 1e6:,.0f}</text>'
+        )
+    for arm in arms:
+        pts = sorted(
+            (r["context"], r[key]) for r in rows if r["arm"] == arm and key in r
+        )
+        if not pts:
+            continue
+        colour = _colour(arm, colours)
+        dash = ' stroke-dasharray="5,3"' if "compress=chunks" in arm else ""
+        path = " ".join(f"{x(c):.1f},{y(v):.1f}" for c, v in pts)
+        out.append(
+            f'<polyline points="{path}" fill="none" stroke="{colour}" '
+            f'stroke-width="1.8"{dash}><title>{arm}</title></polyline>'
+        )
+        out += [
+            f'<circle cx="{x(c):.1f}" cy="{y(v):.1f}" r="2.5" fill="{colour}">'
+            f"<title>{arm} at {c:,}: {v / 1e6:,.1f} MB</title></circle>"
+            for c, v in pts
+        ]
+    return out
+
+
+def plot_svg(res: dict) -> str:
+    """Prefill and decode peaks above the weights against context length, one
+    line per arm (dashed: compress=chunks); failed runs are left out."""
+    rows = [r for r in res["rows"] if "error" not in r]
+    if not rows:
+        raise SystemExit("no successful run to plot")
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    top = max(r[k] for r in rows for k, _ in PANELS) * 1.05 or 1
+    step = res["config"].get("prefill_step_size")
+    colours: dict = {}
+    body = []
+    for i, (key, title) in enumerate(PANELS):
+        title += f" (prefill chunk {step})" if i == 0 and step else ""
+        body += _panel(i * PANEL_W, rows, arms, key, title, colours, top)
+    lx = len(PANELS) * PANEL_W + 10
+    for i, arm in enumerate(arms):
+        ly = 40 + i * 16
+        dash = ' stroke-dasharray="5,3"' if "compress=chunks" in arm else ""
+        body += [
+            f'<line x1="{lx}" y1="{ly - 4}" x2="{lx + 24}" y2="{ly - 4}" '
+            f'stroke="{_colour(arm, colours)}" stroke-width="1.8"{dash}/>',
+            f'<text x="{lx + 30}" y="{ly}" font-size="11">{arm}</text>',
+        ]
+    width = len(PANELS) * PANEL_W + LEGEND_W
+    height = max(PANEL_H, 50 + 16 * len(arms))
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{height}" font-family="sans-serif">\n'
+        '<rect width="100%" height="100%" fill="white"/>\n'
+        + "\n".join(body)
+        + "\n</svg>\n"
+    )
+
+
+def write_plot(res: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(plot_svg(res))
+    print(f"plot: {path}")
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arms", default=ARMS)
-    ap.add_argument("--context", type=int, default=4000)
-    ap.add_argument("--decode-tokens", type=int, default=512)
-    ap.add_argument("--out", default="scripts/results/bench_memory.json")
+    ap.add_argument("--arms", default=None, help="default: see the module's doc")
+    ap.add_argument(
+        "--budget", type=int, default=BUDGET, help="rows of the default arms"
+    )
+    ap.add_argument("--contexts", default="2048,4096,8192,16384")
+    ap.add_argument(
+        "--context", type=int, default=None, help="one context (as --contexts N)"
+    )
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument(
+        "--prefill-step",
+        dest="prefill_step_size",
+        type=int,
+        default=2048,
+        help="mlx-lm's prefill chunk (prefill_step_size)",
+    )
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument(
+        "--plot", default=None, help="SVG (default: --out with .svg; 'none': no plot)"
+    )
+    ap.add_argument("--plot-only", metavar="RESULTS", default=None, help="redraw")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.context is not None:
+        args.contexts = str(args.context)
+    args.context_list = [int(c) for c in args.contexts.split(",") if c.strip()]
+    if not args.context_list or min(args.context_list) < 2:
+        ap.error(f"--contexts needs token counts of at least 2, got {args.contexts!r}")
+    if args.decode_tokens < 1 or args.prefill_step_size < 1:
+        ap.error("--decode-tokens and --prefill-step must be at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child, args.context, args.decode_tokens)))
+        row = child(
+            args.child,
+            args.context_list[0],
+            args.decode_tokens,
+            args.prefill_step_size,
+        )
+        print(json.dumps(row))
+        return
+    if args.plot_only:
+        res = json.loads(Path(args.plot_only).read_text())
+        write_plot(res, args.plot or str(Path(args.plot_only).with_suffix(".svg")))
         return
 
+    from veloxpatch import blas
+
+    blas.preload()
     from veloxpatch.eval.arms import split_arms
     from veloxpatch.eval.runinfo import run_info, write_results
 
-    info = run_info()
-    rows = []
-    for arm in split_arms(args.arms):
-        cmd = [sys.executable, __file__, "--child", arm]
-        cmd += ["--context", str(args.context)]
-        cmd += ["--decode-tokens", str(args.decode_tokens)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-        r = rows[-1]
-        print(
-            f"{r['arm']:<32} peak RSS {r['peak_rss_decode_mb']:8.1f} MB "
-            f"(start {r['rss_decode_start_mb']:.1f}) mlx peak "
-            f"{r['mlx_peak_decode_mb']:7.1f} MB  KV {r['kv_mb_end']:6.2f} MB  "
-            f"{r['decode_tok_s']:.2f} tok/s",
-            flush=True,
-        )
-    config = dict(vars(args))
-    config.pop("child")
-    write_results(args.out, {"run": info, "config": config, "rows": rows})
+    texts = split_arms(args.arms) if args.arms else default_arms(args.budget)
+    arms = check_arms(texts)
+    plot = args.plot or str(Path(args.out).with_suffix(".svg"))
+    config = {
+        "arms": ",".join(arms),
+        "contexts": ",".join(map(str, args.context_list)),
+        "decode_tokens": args.decode_tokens,
+        "prefill_step_size": args.prefill_step_size,
+        "text": "evaluation",
+        "out": args.out,
+    }
+    res = {"run": run_info(), "config": config, "rows": []}
+    t0 = time.monotonic()
+    for context in args.context_list:
+        for arm in arms:
+            row = run_child(arm, args, context)
+            res["rows"].append(row)
+            res["seconds"] = round(time.monotonic() - t0, 1)
+            write_results(args.out, res)  # after every run: a partial file survives
+            print(f"{report(row)}  [{res['seconds']:.0f} s]", flush=True)
     print(f"results: {args.out}")
+    if plot != "none":
+        write_plot(res, plot)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,10 @@ def bench(
     repeats,
     decode_tokens,
 ):
-    """Prefill/decode tok/s, KV bytes and peak memory vs unpatched mlx-lm."""
+    """Prefill/decode tok/s, KV bytes and peak memory vs unpatched mlx-lm.
+
+    Peaks are mlx's, above the memory in use before the prompt (the weights),
+    during the prefill (chunks of --prefill-step-size) and the decode apart."""
     from . import models
     from .eval import bench as bench_mod
     from .eval.runinfo import run_info, write_results

@@ -4,6 +4,12 @@ arms at several context lengths, against unpatched mlx-lm in the same run.
 Every arm prefills for real (no replay: prefill speed is what is measured)
 through mlx-lm's generate_step; repeats interleave the arms in a rotating order
 and the tables report medians, and the median of per-repeat ratios.
+
+Peak memory is measured per phase: mlx's peak during the prefill (to the first
+token) and during the decode, each above the memory in use before the prompt
+(the weights), with the prefill chunk size (`prefill_step_size`) recorded; the
+prefill's peak depends on it (one chunk's activations against the whole
+context) and the decode's on the KV held.
 """
 
 from __future__ import annotations
@@ -21,16 +27,61 @@ from .sessions import arm_caches, mlx_kind
 from .text import check_length, prose_length, prose_tokens
 
 BASELINE = Arm("unpatched")
+# medians in the table: KV held at the end; mlx's peak during the prefill and
+# during the decode, above what was in use before the prompt; the whole peak
+PEAK_KEYS = ("kv_bytes", "prefill_peak_bytes", "decode_peak_bytes")
+PEAK_KEYS += ("peak_memory_bytes",)
 
 
-def measure(model, arm: Arm, ids, decode_tokens: int, step: int) -> dict:
-    """One generation: prefill tok/s (to the first token), decode tok/s after it,
-    KV bytes held at the end and the peak memory of the process meanwhile."""
+def status_mb(field: str) -> float | None:
+    """A /proc/self/status field in MB (VmRSS, VmHWM), None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_rss_peak() -> bool:
+    """Reset the process's VmHWM to its current resident set (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure(model, arm: Arm, ids, decode_tokens: int, step: int, rss=False) -> dict:
+    """One generation through mlx-lm's generate_step: prefill tok/s (to the first
+    token), decode tok/s after it, KV bytes held at the end, and mlx's peak
+    memory during the prefill and during the decode apart, each above what was
+    in use before the prompt (the weights and the empty caches).
+
+    The prefill runs from the prompt to the first token out (every prompt
+    chunk of `step` tokens, the last prompt token's step, and the step of the
+    second token, which mlx-lm issues before handing out the first); then mlx is
+    synchronized and its peak reset, and the decode's peak covers the rest.
+    `peak_memory_bytes` is the whole generation's peak, weights included.
+
+    `rss=True` (a process of its own, Linux): also the process's peak resident
+    set (VmHWM, reset through /proc/self/clear_refs) per phase, mlx's buffer
+    cache emptied before each phase so that freed buffers are not counted."""
     kind = mlx_kind(arm)
     # mlx.quantized: mlx-lm itself converts the caches (kv_bits, start 0)
     extra = peers.generation_kwargs(kind, arm.options) if kind else {}
     with arm_caches(model, arm, [], None, step) as (caches, _):
         mx.eval([c.state for c in caches if getattr(c, "keys", None) is not None])
+        mx.synchronize()
+        rss_out = {}
+        if rss:
+            mx.clear_cache()
+            reset_rss_peak()
+            rss_out["rss_before_mb"] = status_mb("VmRSS")
+        before = mx.get_active_memory()
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         steps = generate_step(
@@ -42,14 +93,35 @@ def measure(model, arm: Arm, ids, decode_tokens: int, step: int) -> dict:
             **extra,
         )
         next(steps)
+        mx.synchronize()  # the second token's step, issued already, is done
         t1 = time.perf_counter()
-        n = sum(1 for _ in steps)
+        prefill_peak = mx.get_peak_memory()
+        kv_prefill = kv_bytes(caches)
+        if rss:
+            rss_out["peak_rss_prefill_mb"] = status_mb("VmHWM")
+            mx.clear_cache()
+            reset_rss_peak()
+            rss_out["rss_decode_start_mb"] = status_mb("VmRSS")
+        mx.reset_peak_memory()
         t2 = time.perf_counter()
+        n = sum(1 for _ in steps)
+        mx.synchronize()
+        t3 = time.perf_counter()
+        decode_peak = mx.get_peak_memory()
+        if rss:
+            rss_out["peak_rss_decode_mb"] = status_mb("VmHWM")
         return {
             "prefill_tok_per_s": len(ids) / (t1 - t0),
-            "decode_tok_per_s": n / (t2 - t1) if n else float("nan"),
+            "prefill_seconds": t1 - t0,
+            "decode_tok_per_s": n / (t3 - t2) if n else float("nan"),
+            "decoded": n,
             "kv_bytes": kv_bytes(caches),
-            "peak_memory_bytes": mx.get_peak_memory(),
+            "kv_bytes_prefill_end": kv_prefill,
+            "active_before_bytes": before,
+            "prefill_peak_bytes": prefill_peak - before,
+            "decode_peak_bytes": decode_peak - before,
+            "peak_memory_bytes": max(prefill_peak, decode_peak),
+            **rss_out,
         }
 
 
@@ -76,7 +148,15 @@ def run(
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
             for arm in order:
                 m = measure(model, arm, ids, decode_tokens, step)
-                raw.append({"context": context, "repeat": r, "arm": arm.label, **m})
+                raw.append(
+                    {
+                        "context": context,
+                        "repeat": r,
+                        "arm": arm.label,
+                        "prefill_step_size": step,
+                        **m,
+                    }
+                )
             tick()
     return raw, summarize(raw, arms, contexts)
 
@@ -102,24 +182,38 @@ def summarize(raw, arms, contexts) -> list[dict]:
                 row[key.replace("tok_per_s", "ratio")] = statistics.median(
                     m[key] / base[m["repeat"]][key] for m in mine
                 )
-            row["kv_bytes"] = statistics.median(m["kv_bytes"] for m in mine)
-            row["peak_memory_bytes"] = statistics.median(
-                m["peak_memory_bytes"] for m in mine
-            )
+            for key in PEAK_KEYS:
+                row[key] = statistics.median(m[key] for m in mine)
+            row["prefill_step_size"] = mine[0].get("prefill_step_size")
             table.append(row)
     return table
 
 
 def format_table(table) -> str:
-    lines = [
+    """The table `veloxpatch bench` prints: speeds, their ratios to unpatched,
+    KV held, the prefill and decode peaks above the memory in use before the
+    prompt, and the whole peak (weights included), with the chunk size."""
+    steps = sorted(
+        {t["prefill_step_size"] for t in table if t.get("prefill_step_size")}
+    )
+    lines = []
+    if steps:
+        lines.append(
+            f"prefill chunk {', '.join(map(str, steps))} tokens; prefill pk and "
+            "decode pk: mlx's peak above the memory in use before the prompt"
+        )
+    lines.append(
         f"{'ctx':>6} {'arm':<34} {'prefill':>8} {'ratio':>6} {'decode':>7} "
-        f"{'ratio':>6} {'KV MB':>8} {'peak MB':>8}"
-    ]
+        f"{'ratio':>6} {'KV MB':>8} {'prefill pk':>10} {'decode pk':>9} "
+        f"{'peak MB':>8}"
+    )
     for t in table:
         lines.append(
             f"{t['context']:>6} {t['arm']:<34} {t['prefill_tok_per_s']:8.1f} "
             f"{t['prefill_ratio']:6.2f} {t['decode_tok_per_s']:7.2f} "
             f"{t['decode_ratio']:6.2f} {t['kv_bytes'] / 1e6:8.1f} "
+            f"{t['prefill_peak_bytes'] / 1e6:10.1f} "
+            f"{t['decode_peak_bytes'] / 1e6:9.1f} "
             f"{t['peak_memory_bytes'] / 1e6:8.1f}"
         )
     return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Peak memory per phase against context length (scripts/bench_memory.py's
+multi-context run): shown once its results file exists."""
+
+from __future__ import annotations
+
+import results_markdown as rm
+from results_markdown import LINK, command, load, meta, short, table
+
+NAME = "bench_memory_peak"
+PY = ".venv/bin/python"
+TRAINED = 8192  # SmolLM2's trained context: beyond it, memory and speed only
+CHUNKED = ("compress", "chunk")  # the options a prompt-end twin lacks
+KEYS = ["arms", "contexts", "decode_tokens", "prefill_step_size", "out"]
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.1f}"
+
+
+def _x(part: float, whole: float) -> str:
+    return f"{part / whole:.2f}x" if whole else ""
+
+
+def _rss(r: dict) -> str:
+    got = [r.get("peak_rss_prefill_mb"), r.get("peak_rss_decode_mb")]
+    return " / ".join("?" if v is None else f"{v:,.0f}" for v in got)
+
+
+def _table(rows: list[dict]) -> list[str]:
+    base = next((r for r in rows if r["arm"] == "unpatched" and "error" not in r), {})
+    head = ["arm", "prefill peak", "vs unpatched", "decode peak", "KV at first token"]
+    head += ["KV at the end", "peak RSS prefill / decode", "prefill s", "decode tok/s"]
+    body = []
+    for r in rows:
+        if "error" in r:
+            error = r["error"].splitlines()[0].replace("|", "\\|")[:160]
+            body.append([f"`{short(r['arm'])}`", f"failed: {error}"] + [""] * 7)
+            continue
+        body.append(
+            [
+                f"`{short(r['arm'])}`",
+                _mb(r["prefill_peak_bytes"]),
+                _x(r["prefill_peak_bytes"], base.get("prefill_peak_bytes", 0)),
+                _mb(r["decode_peak_bytes"]),
+                _mb(r["kv_bytes_prefill_end"]),
+                _mb(r["kv_bytes"]),
+                _rss(r),
+                f"{r['prefill_seconds']:,.1f}",
+                f"{r['decode_tok_s']:.2f}",
+            ]
+        )
+    return table(head, body)
+
+
+def _chunked(rows: list[dict]) -> list[str]:
+    """For each compress=chunks arm at the longest context both modes ran: its
+    prefill peak against its prompt-end twin's and unpatched's."""
+    ok = {r["arm"]: r for r in rows if "error" not in r}
+    base = ok.get("unpatched")
+    out = []
+    for arm, r in ok.items():
+        if "compress=chunks" not in arm:
+            continue
+        name, _, opts = arm.partition(":")
+        rest = [o for o in opts.split(",") if o.partition("=")[0] not in CHUNKED]
+        twin = ok.get(f"{name}:{','.join(rest)}" if rest else name)
+        parts = []
+        if twin is not None:
+            parts.append(
+                f"{_x(r['prefill_peak_bytes'], twin['prefill_peak_bytes'])} "
+                f"its prompt-end mode's ({_mb(twin['prefill_peak_bytes'])} MB)"
+            )
+        if base is not None:
+            parts.append(
+                f"{_x(r['prefill_peak_bytes'], base['prefill_peak_bytes'])} "
+                f"`unpatched`'s"
+            )
+        if parts:
+            out.append(
+                f"- `{short(arm)}` peaks at {_mb(r['prefill_peak_bytes'])} MB during "
+                f"the prefill: {' and '.join(parts)}; prefill "
+                f"{r['prefill_seconds']:,.1f} s"
+                + (
+                    f" against {twin['prefill_seconds']:,.1f} s."
+                    if twin is not None
+                    else "."
+                )
+            )
+    return out
+
+
+def peak_memory() -> list[str]:
+    if not (rm.RESULTS / f"{NAME}.json").exists():
+        return []
+    res = load(NAME)
+    cfg, rows = res["config"], res["rows"]
+    step = cfg.get("prefill_step_size")
+    contexts = sorted({r["context"] for r in rows})
+    beyond = [c for c in contexts if c > TRAINED]
+    lines = [
+        "## Peak memory per phase against context length",
+        "",
+        "`scripts/bench_memory.py`: each arm at each context length in its own "
+        f"process prefills evaluation prose through mlx-lm's `generate_step` in "
+        f"chunks of **{step:,} tokens** (`prefill_step_size`), then decodes "
+        f"{cfg['decode_tokens']} greedy tokens. Peaks are mlx's "
+        "(`mx.get_peak_memory()` after `mx.reset_peak_memory()`), above the "
+        "memory in use before the prompt (the weights): the prefill's up to the "
+        "first token out, the decode's after it. MB are 10^6 bytes. Peak RSS "
+        "(VmHWM, reset per phase; MB of 2^20 bytes) is the whole process's, "
+        "weights included; the allocator keeps pages, so the decode's rarely "
+        "falls below the prefill's. `unpatched` is mlx-lm with the model's own "
+        "caches, `mlx.rotating` its RotatingKVCache, `mlx.quantized` its "
+        "QuantizedKVCache from the first token.",
+        "",
+    ]
+    if beyond:
+        lines += [
+            f"SmolLM2 was trained on {TRAINED:,} tokens: at "
+            f"{', '.join(f'{c:,}' for c in beyond)} only memory and speed are "
+            "measured, no quality is claimed.",
+            "",
+        ]
+    lines += [meta(NAME, res), ""]
+    if (rm.RESULTS / f"{NAME}.svg").exists():
+        lines += [
+            f"![peak memory above the weights against context length, one line "
+            f"per arm]({LINK}/{NAME}.svg)",
+            "",
+        ]
+    # the comparison of modes at the longest context the model was trained for
+    note_at = max([c for c in contexts if c <= TRAINED] or contexts[:1])
+    for context in contexts:
+        mine = [r for r in rows if r["context"] == context]
+        lines += [
+            f"### {context:,} tokens, prefill chunk {step:,}",
+            "",
+            *_table(mine),
+            "",
+        ]
+        if context == note_at and (notes := _chunked(mine)):
+            lines += notes + [""]
+    lines += [
+        *command(
+            f"{PY} scripts/bench_memory.py",
+            cfg,
+            KEYS,
+            rename={"prefill_step_size": "prefill_step"},
+        ),
+        "",
+    ]
+    return lines
