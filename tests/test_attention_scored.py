@@ -48,7 +48,13 @@ def kept(cache):
     return np.array(cache.positions_view())[0]
 
 
-def test_h2o_accumulates_every_query_mean_over_group():
+@pytest.mark.parametrize("tile", [None, 1, 3 * HQ * N], ids=["one", "1q", "3q"])
+def test_h2o_accumulates_every_query_mean_over_group(tile, monkeypatch):
+    # the probabilities are taken in tiles of queries (elements of logits)
+    from veloxpatch.caches import attention_math
+
+    if tile is not None:
+        monkeypatch.setattr(attention_math, "TILE_ELEMENTS", tile)
     cls = ALGORITHMS["h2o"]
     cache = feed(cls(cls.Options(budget=1000)), [13, 9])
     p = probs_np()
@@ -79,7 +85,9 @@ def test_tova_drops_least_attended_by_last_query_mean_over_all_heads():
         assert kept(cache)[h].tolist() == [0, 1] + top  # every head the same
 
 
-def test_keyformer_tau_schedule_and_seeded_noise():
+def test_keyformer_tau_schedule_and_seeded_noise(monkeypatch):
+    from veloxpatch.caches import attention_math
+
     cls = ALGORITHMS["keyformer"]
     opts = dict(budget=12, sinks=1, recent=3, tau_steps=10)
     a = feed(cls(cls.Options(**opts)), [20])
@@ -87,6 +95,10 @@ def test_keyformer_tau_schedule_and_seeded_noise():
     c = feed(cls(cls.Options(seed=1, **opts)), [20])
     assert (kept(a) == kept(b)).all()
     assert a.decode_steps == N - 20 and a.tau() == 2.0
+    # prompt tiles of one query keep the prompt's temperature
+    monkeypatch.setattr(attention_math, "TILE_ELEMENTS", 1)
+    d = feed(cls(cls.Options(**opts)), [20])
+    assert d.decode_steps == N - 20 and d.calls == 20 + N - 20
     fresh = cls(cls.Options(**opts))
     fresh.decode_steps = 5
     assert fresh.tau() == pytest.approx(1.5)

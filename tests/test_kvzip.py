@@ -114,6 +114,34 @@ def test_repeat_scores_match_a_numpy_reference(chunk, plus):
         assert not g[:, : rng[0]].any()
 
 
+@pytest.mark.parametrize("plus", [False, True], ids=["kvzip", "kvzip+"])
+def test_repeat_in_tiles_of_queries_equals_one_piece(plus, monkeypatch):
+    # the reconstruction's explicit softmax is taken a tile of queries at a time
+    from veloxpatch.caches import attention_math
+
+    model = tiny_model("llama")
+    ids = prompt_tokens(40).tolist()
+    rng, repeat = repeat_inputs(ids, TOK, chunk=16, start=0)[1]
+
+    def run():
+        with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, plus=plus) as p:
+            caches = p.make_cache()
+            for c in caches:
+                c.score_prompt = False
+            model(mx.array(ids)[None], cache=caches)
+            for c in caches:
+                c.repeat = rng
+            logits = model(mx.array(repeat)[None], cache=caches)
+            return np.array(logits), [np.array(c.zscore) for c in caches]
+
+    whole = run()
+    monkeypatch.setattr(attention_math, "TILE_ELEMENTS", 1)  # one query a tile
+    tiled = run()
+    assert np.allclose(whole[0], tiled[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(whole[1], tiled[1]):
+        assert np.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_reconstruction_chunks_overlap_by_eight_tokens():
     ids = list(range(20, 60))
     chunks = repeat_inputs(ids, TOK, chunk=16, start=5)

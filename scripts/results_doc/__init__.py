@@ -41,6 +41,7 @@ SECTIONS = [
     peers.versus_veloxquant,
     speed.memory,
     peak.peak_memory,
+    peak.attention_tiles,
     speed.decode_quantized,
     quantized.quantizer_grid,
     quantized.eviction_holes,

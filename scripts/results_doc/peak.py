@@ -150,3 +150,45 @@ def peak_memory() -> list[str]:
         "",
     ]
     return lines
+
+
+def attention_tiles() -> list[str]:
+    name = "bench_attention_tiles"
+    if not (rm.RESULTS / f"{name}.json").exists():
+        return []
+    res = load(name)
+    cfg = res["config"]
+    body = [
+        [
+            f"`{r['arm']}`",
+            r["mode"],
+            f"{r['queries']:,} x {r['rows_against']:,}",
+            _mb(r["peak_bytes"]),
+        ]
+        for r in res["rows"]
+    ]
+    return [
+        "## Explicit attention probabilities in tiles of queries",
+        "",
+        "`scripts/bench_attention_tiles.py`: where veloxpatch computes attention "
+        "probabilities itself (H2O's and Keyformer's accumulated attention, "
+        "kvzip's reconstruction), it takes them a tile of queries at a time "
+        "(at most 2^22 float32 logits), each evaluated before the next. One "
+        "layer of SmolLM2's shape, random inputs, mlx's peak above the memory "
+        "in use before the call (median of "
+        f"{cfg['repeats']}, each in a process of its own): `h2o` and `keyformer` "
+        f"at budget 512, the last {cfg['chunk']:,}-query chunk of a "
+        f"{cfg['context']:,}-token prompt (their fused attention output "
+        "included: on the CPU it is unfused and its scores are the rest of the "
+        f"peak); `kvzip`, one {cfg['chunk']:,}-query repeat chunk against a "
+        f"{cfg['context']:,}-row context.",
+        "",
+        meta(name, res),
+        "",
+        *table(["arm", "probabilities", "queries x rows", "peak MB"], body),
+        "",
+        *command(
+            f"{PY} scripts/bench_attention_tiles.py", cfg, ["context", "chunk", "out"]
+        ),
+        "",
+    ]

@@ -1,10 +1,22 @@
 """Attention probabilities computed explicitly, for the algorithms that score
 rows by the attention of real queries (the fused kernel never materialises
-them), and the buffer of the newest queries those algorithms keep."""
+them), in tiles of queries, and the buffer of the newest queries those
+algorithms keep."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+# float32 elements of one tile of logits (16 MiB; on SmolLM2's 9 heads, 64
+# queries against 7,281 rows): callers evaluate a tile before the next
+TILE_ELEMENTS = 1 << 22
+
+
+def query_tiles(first: int, end: int, per_query: int, budget: int | None = None):
+    """(start, stop) ranges covering queries first..end, each of at most
+    `budget` (TILE_ELEMENTS) elements at `per_query` a query (at least one)."""
+    step = max(1, (budget or TILE_ELEMENTS) // max(1, per_query))
+    return [(s, min(s + step, end)) for s in range(first, end, step)]
 
 
 def query_probs(q, keys, pos, qstart: int, scale):

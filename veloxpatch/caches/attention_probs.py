@@ -4,7 +4,8 @@ attention they receive (H2O, TOVA, Keyformer).
 The fused kernel never materialises probabilities, so these caches still attend
 with it (the output is the same as every other cache's) and compute
 softmax(q k^T * scale) only for the queries they need: every query of the call
-for H2O and Keyformer, the last one for TOVA. O(L x T) per head, or O(T).
+for H2O and Keyformer, the last one for TOVA. They are computed in tiles of
+queries, so a prompt chunk never materialises chunk x rows x heads at once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from .attention_math import query_probs
+from .attention_math import query_probs, query_tiles
 from .eviction import EvictingCache
 
 
@@ -24,14 +25,25 @@ class ProbabilityCache(EvictingCache):
 
     def attention(self, q, keys, values, mask, scale):
         out = super().attention(q, keys, values, mask, scale)
-        first = 0 if self.observed == "all" else q.shape[2] - 1
-        logits, probs = query_probs(
-            q[:, :, first:], keys, self.positions_view(), self.offset + first, scale
-        )
-        self.observe(logits, probs)
+        B, Hq, L, _ = q.shape
+        first = 0 if self.observed == "all" else L - 1
+        pos = self.positions_view()
+        tiles = query_tiles(first, L, B * Hq * keys.shape[2])
+        for start, stop in tiles:
+            logits, probs = query_probs(
+                q[:, :, start:stop], keys, pos, self.offset + start, scale
+            )
+            self.observe(logits, probs, L)
+            if len(tiles) > 1:  # else mlx schedules every tile's probabilities at once
+                mx.eval(self.observed_arrays())
         return out
 
-    def observe(self, logits: mx.array, probs: mx.array) -> None:
-        """[B, Hkv, G, L, T] logits and probabilities of the observed queries over
-        every held row (old rows first, then the new ones)."""
+    def observed_arrays(self) -> list[mx.array]:
+        """What `observe` accumulates over a call's tiles."""
+        return []
+
+    def observe(self, logits: mx.array, probs: mx.array, queries: int) -> None:
+        """[B, Hkv, G, l, T] logits and probabilities of l observed queries (one
+        tile of a call of `queries`) over every held row (old rows first, then
+        the new ones). A call's tiles come in order."""
         raise NotImplementedError

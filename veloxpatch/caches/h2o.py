@@ -46,16 +46,19 @@ class H2OCache(ProbabilityCache):
         super().__init__(options, layer, num_layers)
         self.acc = None  # [B, Hkv, rows] accumulated attention, float32
 
-    def weights(self, logits, probs):
+    def weights(self, logits, probs, queries=None):
         """What a query contributes to each key: its attention probability."""
         return probs
 
-    def observe(self, logits, probs):
-        add = self.weights(logits, probs).mean(axis=2).sum(axis=2)  # [B, Hkv, T]
+    def observe(self, logits, probs, queries):
+        add = self.weights(logits, probs, queries).mean(axis=2).sum(axis=2)
         if self.acc is not None:
             old = self.acc.shape[-1]
             add = mx.concatenate([add[..., :old] + self.acc, add[..., old:]], axis=-1)
         self.acc = add
+
+    def observed_arrays(self):
+        return [self.acc]
 
     def scores(self, q):
         return self.acc

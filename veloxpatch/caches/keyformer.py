@@ -51,7 +51,9 @@ class KeyformerCache(H2OCache):
         frac = min(1.0, self.decode_steps / o.tau_steps)
         return o.tau_init + (o.tau_end - o.tau_init) * frac
 
-    def weights(self, logits, probs):
+    def weights(self, logits, probs, queries=None):
+        """Tempered Gumbel softmax of one tile of a call of `queries` (a prompt
+        call when more than one) queries; every tile draws its own noise."""
         o = self.options
         key = mx.random.key(o.seed * 1_000_003 + self.layer * 7_919 + self.calls)
         # drawn for every KV head of the layer, so a sharded model's ranks get
@@ -59,10 +61,10 @@ class KeyformerCache(H2OCache):
         B, Hkv, *rest = logits.shape
         every = mx.random.gumbel((B, Hkv * self.shards.size, *rest), key=key)
         noise = self.shards.my_heads(every)
-        L = logits.shape[3]
-        tau = o.tau_init if L > 1 else self.tau()
+        prompt = (queries or logits.shape[3]) > 1
+        tau = o.tau_init if prompt else self.tau()
         self.calls += 1
-        self.decode_steps += L == 1
+        self.decode_steps += not prompt
         return mx.softmax((logits + noise) / tau, axis=-1)
 
     def extra_meta(self):

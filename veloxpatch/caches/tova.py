@@ -21,7 +21,7 @@ class TOVACache(ProbabilityCache):
     summary = "attention of the current last query, mean over all heads"
     observed = "last"
 
-    def observe(self, logits, probs):
+    def observe(self, logits, probs, queries):
         self.last_probs = probs[:, :, :, -1, :]  # [B, Hkv, G, T]
 
     def scores(self, q):

@@ -54,7 +54,7 @@ import dataclasses
 import mlx.core as mx
 
 from ...errors import OptionError
-from ..attention_math import newest_queries, query_probs
+from ..attention_math import newest_queries, query_probs, query_tiles
 from ..base import PAD_POSITION
 from ..eviction import EvictingCache, EvictionOptions
 from ..options import check_choice, check_int, check_number
@@ -241,19 +241,26 @@ class KVzipCache(EvictingCache):
     def _attend_repeat(self, q, keys, values, scale):
         """One softmax gives both the repeat's attention output and its scores:
         a pair's probability under KVzip's softmax (over `_subset`) is its
-        probability over every row divided by the subset's share."""
+        probability over every row divided by the subset's share. In tiles of
+        queries, each evaluated before the next: the whole context's
+        probabilities for a whole repeat chunk are never held at once."""
         B, Hq, L, D = q.shape
         Hkv, T = keys.shape[1], keys.shape[2]
-        _, probs = query_probs(q, keys, self.positions_view(), self.offset, scale)
-        flat = probs.reshape(B, Hkv, -1, T)
-        out = (flat @ values.astype(mx.float32)).reshape(B, Hq, L, -1)
         (_, sink), (start, end), _ = ranges = self._subset(T, L)
-        chunk = probs[..., start:end]
-        if sink != start or end != T - L:  # the subset is not every row
-            share = sum(probs[..., a:b].sum(-1, keepdims=True) for a, b in ranges)
-            chunk = chunk / share
-        self._raise_scores(self._weigh(chunk, values[:, :, start:end]), start)
-        return out.astype(q.dtype)
+        pos, dense = self.positions_view(), values.astype(mx.float32)
+        outs = []
+        for a, b in query_tiles(0, L, B * Hq * T):
+            _, probs = query_probs(q[:, :, a:b], keys, pos, self.offset + a, scale)
+            outs.append((probs.reshape(B, Hkv, -1, T) @ dense).reshape(B, Hq, b - a, D))
+            chunk = probs[..., start:end]
+            if sink != start or end != T - L:  # the subset is not every row
+                share = sum(probs[..., i:j].sum(-1, keepdims=True) for i, j in ranges)
+                chunk = chunk / share
+            weights = self._weigh(chunk, values[:, :, start:end], slice(a, b))
+            self._raise_scores(weights, start)  # evaluated: the tile is done
+            mx.eval(outs[-1])
+        self.layer_input = None
+        return mx.concatenate(outs, axis=2).astype(q.dtype)
 
     def _score_repeat(self, q, keys, values, scale):
         """KVzip's softmax over `_subset` alone (rows the kernel read in place)."""
@@ -272,18 +279,19 @@ class KVzipCache(EvictingCache):
         (_, sink), (start, end), _ = ranges
         chunk = probs[..., sink : sink + end - start]
         self._raise_scores(self._weigh(chunk, values[:, :, start:end]), start)
+        self.layer_input = None
 
-    def _weigh(self, probs, values):
+    def _weigh(self, probs, values, queries=slice(None)):
         """[B, Hkv, C] scores of C context rows from their probabilities
-        [B, Hkv, G, L, C] under the repeat queries: the maximum over the queries
-        and the GQA group, KVzip+'s weights first with `plus`."""
+        [B, Hkv, G, l, C] under the repeat queries `queries` of the call: the
+        maximum over them and the GQA group, KVzip+'s weights first with `plus`
+        (a maximum too, so a call's tiles combine by `_raise_scores`)."""
         if not self.options.plus:
             return probs.max(axis=(2, 3))
         x, o_proj = self.layer_input
-        self.layer_input = None
         if self.wo_gram is None:
             self.wo_gram = output_gram(o_proj, probs.shape[1] * probs.shape[2])
-        return plus_scores(probs, values, x, self.wo_gram)
+        return plus_scores(probs, values, x[:, queries], self.wo_gram)
 
     def _raise_scores(self, new: mx.array, start: int) -> None:
         B, H, n = new.shape
