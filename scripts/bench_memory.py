@@ -10,7 +10,8 @@ the empty caches: `mx.reset_peak_memory()` before, `mx.get_peak_memory()`
 after, minus `mx.get_active_memory()` before) and the process's peak resident
 set (VmHWM, reset through /proc/self/clear_refs after mlx's buffer cache is
 emptied). The prefill runs to the first token out; the decode is the rest.
-Also: KV bytes held when the first token is out and at the end, prefill
+Also: KV bytes held when the first token is out, at the end and at most at
+once (after every attention call, before any cut back), prefill
 seconds, decode tok/s.
 
 Arms are written `NAME[:key=value,...]` and passed through as they are:
@@ -101,6 +102,7 @@ def row_of(arm: str, context: int, step: int, m: dict, loaded: dict) -> dict:
         "prefill_peak_bytes": m["prefill_peak_bytes"],
         "decode_peak_bytes": m["decode_peak_bytes"],
         "kv_bytes_prefill_end": m["kv_bytes_prefill_end"],
+        "kv_peak_bytes": m["kv_peak_bytes"],
         "kv_bytes": m["kv_bytes"],
         "prefill_seconds": round(m["prefill_seconds"], 3),
         "prefill_tok_s": round(m["prefill_tok_per_s"], 2),
@@ -179,7 +181,8 @@ def report(r: dict) -> str:
     return (
         f"{head} prefill peak {r['prefill_peak_bytes'] / 1e6:8.1f} MB "
         f"decode peak {r['decode_peak_bytes'] / 1e6:7.1f} MB "
-        f"KV {r['kv_bytes'] / 1e6:7.2f} MB  RSS {rss} MB  "
+        f"KV {r['kv_bytes'] / 1e6:7.2f} MB (peak {r['kv_peak_bytes'] / 1e6:.1f})  "
+        f"RSS {rss} MB  "
         f"prefill {r['prefill_seconds']:.1f} s  {r['decode_tok_s']:.2f} tok/s"
     )
 

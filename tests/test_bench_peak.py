@@ -14,6 +14,7 @@ from tiny import VOCAB, prompt_tokens, tiny_model
 from veloxpatch.errors import OptionError
 from veloxpatch.eval import bench
 from veloxpatch.eval.arms import parse_arm, split_arms
+from veloxpatch.memory import full_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -61,6 +62,14 @@ def test_budgeted_arm_holds_less_in_both_phases(model):
     assert cut["kv_bytes"] < full["kv_bytes"] / 4
     assert cut["decode_peak_bytes"] < full["decode_peak_bytes"] / 2
     assert cut["prefill_peak_bytes"] < full["prefill_peak_bytes"]
+    # the most held at once: budget + chunk rows against the whole prompt, which
+    # the prompt-end mode holds until the prompt ends
+    row = full["kv_bytes_prefill_end"] / full_rows(CONTEXT)  # mlx-lm allocates ahead
+    assert full["kv_peak_bytes"] == full["kv_bytes_prefill_end"]
+    assert cut["kv_peak_bytes"] <= 1.1 * (32 + 32) * row  # positions held too
+    assert cut["kv_peak_bytes"] > cut["kv_bytes_prefill_end"]
+    end = bench.measure(model, parse_arm("snapkv:budget=32,window=8"), ids(), 2, 32)
+    assert end["kv_peak_bytes"] == CONTEXT * row > 4 * end["kv_bytes"]
 
 
 class _Tokenizer:
@@ -139,6 +148,7 @@ def _row(arm, context, prefill, decode, kv, step=512):
         "decode_peak_bytes": decode,
         "kv_bytes": kv,
         "kv_bytes_prefill_end": kv,
+        "kv_peak_bytes": kv if "chunks" in arm or "budget" not in arm else 2 * kv,
         "decoded": 4,
         "prefill_seconds": 2.5,
         "prefill_tok_per_s": context / 2.5,

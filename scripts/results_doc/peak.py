@@ -26,15 +26,25 @@ def _rss(r: dict) -> str:
     return " / ".join("?" if v is None else f"{v:,.0f}" for v in got)
 
 
+def _row_bytes(base: dict) -> float | None:
+    """Bytes of one token's KV over every layer: unpatched's KV at the first
+    token over the rows mlx-lm allocated (multiples of 256)."""
+    if not base:
+        return None
+    return base["kv_bytes_prefill_end"] / (-(-base["context"] // 256) * 256)
+
+
 def _table(rows: list[dict]) -> list[str]:
     base = next((r for r in rows if r["arm"] == "unpatched" and "error" not in r), {})
+    row_bytes = _row_bytes(base)
     head = ["arm", "prefill peak", "vs unpatched", "decode peak", "KV at first token"]
-    head += ["KV at the end", "peak RSS prefill / decode", "prefill s", "decode tok/s"]
+    head += ["KV at the end", "peak KV", "its rows", "peak RSS prefill / decode"]
+    head += ["prefill s", "decode tok/s"]
     body = []
     for r in rows:
         if "error" in r:
             error = r["error"].splitlines()[0].replace("|", "\\|")[:160]
-            body.append([f"`{short(r['arm'])}`", f"failed: {error}"] + [""] * 7)
+            body.append([f"`{short(r['arm'])}`", f"failed: {error}"] + [""] * 9)
             continue
         body.append(
             [
@@ -44,6 +54,8 @@ def _table(rows: list[dict]) -> list[str]:
                 _mb(r["decode_peak_bytes"]),
                 _mb(r["kv_bytes_prefill_end"]),
                 _mb(r["kv_bytes"]),
+                _mb(r["kv_peak_bytes"]),
+                f"{r['kv_peak_bytes'] / row_bytes:,.0f}" if row_bytes else "",
                 _rss(r),
                 f"{r['prefill_seconds']:,.1f}",
                 f"{r['decode_tok_s']:.2f}",
@@ -73,7 +85,8 @@ def _chunked(rows: list[dict]) -> list[str]:
         if base is not None:
             parts.append(
                 f"{_x(r['prefill_peak_bytes'], base['prefill_peak_bytes'])} "
-                f"`unpatched`'s"
+                f"`unpatched`'s, its peak KV "
+                f"{_x(r['kv_peak_bytes'], base['kv_peak_bytes'])}"
             )
         if parts:
             out.append(
@@ -109,7 +122,11 @@ def peak_memory() -> list[str]:
         "first token out, the decode's after it. MB are 10^6 bytes. Peak RSS "
         "(VmHWM, reset per phase; MB of 2^20 bytes) is the whole process's, "
         "weights included; the allocator keeps pages, so the decode's rarely "
-        "falls below the prefill's. `unpatched` is mlx-lm with the model's own "
+        "falls below the prefill's. Peak KV is the most KV bytes held at once "
+        "(ours read after every attention call, before any cut back), its rows "
+        "those bytes over one token's KV in every layer (unpatched's; ours hold "
+        "each row's position too). "
+        "`unpatched` is mlx-lm with the model's own "
         "caches, `mlx.rotating` its RotatingKVCache, `mlx.quantized` its "
         "QuantizedKVCache from the first token.",
         "",

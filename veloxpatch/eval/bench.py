@@ -55,11 +55,34 @@ def reset_rss_peak() -> bool:
         return False
 
 
+def watch_kv_peak(caches):
+    """A function giving the most KV bytes the caches held at once so far: our
+    caches are read after every attention call, before any cut back (mlx-lm's
+    only grow, or hold a window: their peak is at the end)."""
+    peak = 0
+
+    def watched(cache):
+        inner = cache.after_attend
+
+        def after_attend(q, new_rows):
+            nonlocal peak
+            peak = max(peak, kv_bytes(caches))
+            inner(q, new_rows)
+
+        cache.after_attend = after_attend  # on the instance: gone with it
+
+    for c in caches:
+        if hasattr(c, "after_attend"):
+            watched(c)
+    return lambda: peak
+
+
 def measure(model, arm: Arm, ids, decode_tokens: int, step: int, rss=False) -> dict:
     """One generation through mlx-lm's generate_step: prefill tok/s (to the first
     token), decode tok/s after it, KV bytes held at the end, and mlx's peak
     memory during the prefill and during the decode apart, each above what was
-    in use before the prompt (the weights and the empty caches).
+    in use before the prompt (the weights and the empty caches); the most KV
+    bytes held at once (`kv_peak_bytes`).
 
     The prefill runs from the prompt to the first token out (every prompt
     chunk of `step` tokens, the last prompt token's step, and the step of the
@@ -75,6 +98,7 @@ def measure(model, arm: Arm, ids, decode_tokens: int, step: int, rss=False) -> d
     extra = peers.generation_kwargs(kind, arm.options) if kind else {}
     with arm_caches(model, arm, [], None, step) as (caches, _):
         mx.eval([c.state for c in caches if getattr(c, "keys", None) is not None])
+        kv_peak = watch_kv_peak(caches)
         mx.synchronize()
         rss_out = {}
         if rss:
@@ -117,6 +141,7 @@ def measure(model, arm: Arm, ids, decode_tokens: int, step: int, rss=False) -> d
             "decoded": n,
             "kv_bytes": kv_bytes(caches),
             "kv_bytes_prefill_end": kv_prefill,
+            "kv_peak_bytes": max(kv_peak(), kv_prefill, kv_bytes(caches)),
             "active_before_bytes": before,
             "prefill_peak_bytes": prefill_peak - before,
             "decode_peak_bytes": decode_peak - before,
