@@ -91,6 +91,20 @@ def reference_scores(model, ids, rng, repeat, sinks, plus=False):
     return out
 
 
+def repeat_call(model, ids, rng, repeat, plus):
+    """Logits of one reconstruction chunk after the context, and every layer's
+    scores [B, Hkv, rows] from it."""
+    with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, plus=plus) as patch:
+        caches = patch.make_cache()
+        for c in caches:
+            c.score_prompt = False
+        model(mx.array(ids)[None], cache=caches)
+        for c in caches:
+            c.repeat = rng
+        logits = model(mx.array(repeat)[None], cache=caches)
+        return np.array(logits), [np.array(c.zscore) for c in caches]
+
+
 @pytest.mark.parametrize("plus", [False, True], ids=["kvzip", "kvzip+"])
 @pytest.mark.parametrize("chunk", [0, 1], ids=["one-chunk", "second-chunk"])
 def test_repeat_scores_match_a_numpy_reference(chunk, plus):
@@ -99,17 +113,8 @@ def test_repeat_scores_match_a_numpy_reference(chunk, plus):
     ids = prompt_tokens(40).tolist()
     rng, repeat = repeat_inputs(ids, TOK, chunk=[64, 16][chunk], start=0)[chunk]
     ref = reference_scores(model, ids, rng, repeat, sinks=2, plus=plus)
-    opts = dict(budget=12, sinks=2, plus=plus)
-    with veloxpatch.patched(model, "kvzip", **opts) as patch:
-        caches = patch.make_cache()
-        for c in caches:
-            c.score_prompt = False
-        model(mx.array(ids)[None], cache=caches)
-        for c in caches:
-            c.repeat = rng
-        model(mx.array(repeat)[None], cache=caches)
-        got = [np.array(c.zscore[0]) for c in caches]
-    for g, r in zip(got, ref):
+    _, got = repeat_call(model, ids, rng, repeat, plus)
+    for g, r in zip((g[0] for g in got), ref):
         assert np.allclose(g[:, rng[0] :], r, rtol=1e-4, atol=1e-6)
         assert not g[:, : rng[0]].any()
 
@@ -122,21 +127,9 @@ def test_repeat_in_tiles_of_queries_equals_one_piece(plus, monkeypatch):
     model = tiny_model("llama")
     ids = prompt_tokens(40).tolist()
     rng, repeat = repeat_inputs(ids, TOK, chunk=16, start=0)[1]
-
-    def run():
-        with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, plus=plus) as p:
-            caches = p.make_cache()
-            for c in caches:
-                c.score_prompt = False
-            model(mx.array(ids)[None], cache=caches)
-            for c in caches:
-                c.repeat = rng
-            logits = model(mx.array(repeat)[None], cache=caches)
-            return np.array(logits), [np.array(c.zscore) for c in caches]
-
-    whole = run()
+    whole = repeat_call(model, ids, rng, repeat, plus)
     monkeypatch.setattr(attention_math, "TILE_ELEMENTS", 1)  # one query a tile
-    tiled = run()
+    tiled = repeat_call(model, ids, rng, repeat, plus)
     assert np.allclose(whole[0], tiled[0], rtol=1e-5, atol=1e-5)
     for a, b in zip(whole[1], tiled[1]):
         assert np.allclose(a, b, rtol=1e-5, atol=1e-7)
