@@ -300,6 +300,21 @@ def write_plot(res: dict, path: str) -> None:
     print(f"plot: {path}")
 
 
+def added_to(path: str, config: dict, run: dict) -> dict:
+    """The results in `path`, to which the runs of `config` are added (the same
+    prefill chunk and decode length; the added arms and contexts recorded)."""
+    res = json.loads(Path(path).read_text())
+    old = res["config"]
+    for key in ("decode_tokens", "prefill_step_size", "text"):
+        if old[key] != config[key]:
+            raise SystemExit(f"--add: {path} has {key} {old[key]}, not {config[key]}")
+    added = {"arms": config["arms"], "contexts": config["contexts"], "run": run}
+    old.setdefault("added", []).append(added)
+    failed = [r for r in res["rows"] if "error" in r]  # run again
+    res["rows"] = [r for r in res["rows"] if r not in failed]
+    return res
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arms", default=None, help="default: see the module's doc")
@@ -320,6 +335,11 @@ def parse_args(argv=None):
     )
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument(
+        "--add",
+        action="store_true",
+        help="add to --out's runs (those measured already are skipped)",
+    )
     ap.add_argument(
         "--plot", default=None, help="SVG (default: --out with .svg; 'none': no plot)"
     )
@@ -370,9 +390,14 @@ def main(argv=None):
         "out": args.out,
     }
     res = {"run": run_info(), "config": config, "rows": []}
-    t0 = time.monotonic()
+    if args.add:
+        res = added_to(args.out, config, res["run"])
+    done = {(r["arm"], r["context"]) for r in res["rows"] if "error" not in r}
+    t0 = time.monotonic() - res.get("seconds", 0)
     for context in args.context_list:
         for arm in arms:
+            if (arm, context) in done:
+                continue
             row = run_child(arm, args, context)
             res["rows"].append(row)
             res["seconds"] = round(time.monotonic() - t0, 1)

@@ -217,6 +217,34 @@ def test_runs_are_recorded_failures_too_and_plotted(tmp_path, monkeypatch):
     }
 
 
+def test_add_runs_only_what_the_file_lacks(tmp_path, monkeypatch):
+    res = _results()
+    by = {(r["arm"], r["context"]): r for r in res["rows"]}
+    for context in (2048, 16384):
+        by["kvzip:budget=512", context] = _row("kvzip:budget=512", context, 9, 9, 9)
+    ran = []
+
+    def run_child(arm, args, context):
+        ran.append((arm, context))
+        return by[arm, context]
+
+    monkeypatch.setattr(bm, "run_child", run_child)
+    monkeypatch.setattr("veloxpatch.eval.runinfo.run_info", lambda: res["run"])
+    out = tmp_path / "peak.json"
+    out.write_text(json.dumps(res))
+    arms = "unpatched,kvzip:budget=512"
+    argv = ["--arms", arms, "--contexts", "2048,16384", "--out", str(out)]
+    argv += ["--decode-tokens", "4", "--plot", "none"]
+    bm.main(argv + ["--prefill-step", "512", "--add"])
+    assert ran == [("kvzip:budget=512", 2048), ("kvzip:budget=512", 16384)]
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == len(res["rows"]) + 1  # the failed run done again
+    assert not any("error" in r for r in data["rows"])
+    assert data["config"]["added"][0]["contexts"] == "2048,16384"
+    with pytest.raises(SystemExit, match="prefill_step_size 512, not 256"):
+        bm.main(argv + ["--prefill-step", "256", "--add"])
+
+
 def test_plot_has_one_line_per_arm_and_chunk_size():
     svg = bm.plot_svg(_results())
     assert svg.count("<polyline") == 2 * 3  # two panels, three arms drawn

@@ -166,6 +166,19 @@ def peak_memory() -> list[str]:
         ),
         "",
     ]
+    for more in cfg.get("added", []):
+        run = more["run"]
+        lines += [
+            f"Added (commit `{run.get('git_commit', '?')[:7]}`):",
+            "",
+            *command(
+                f"{PY} scripts/bench_memory.py --add",
+                {**cfg, **more},
+                KEYS,
+                rename={"prefill_step_size": "prefill_step"},
+            ),
+            "",
+        ]
     return lines
 
 
