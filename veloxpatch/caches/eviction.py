@@ -47,10 +47,12 @@ class EvictionOptions(CacheOptions):
     included. `sinks`: first tokens always kept. `kv_bits` (2, 3, 4, 8 or
     "adaptive" with `target_bits`): store the kept rows KIVI-quantized, keys per
     channel over `kv_group` rows, values per row, the newest `kv_residual` rows in
-    full precision (see `kv_bits.py`). `head_budget`: "uniform" (every KV head
-    keeps `budget` rows) or "adaptive" (Ada-KV: a layer's heads share budget x
-    heads rows by their scores, each keeping at least the fraction `alpha`,
-    default 0.2, of the uniform share; see the module docstring).
+    full precision (see `kv_bits.py`); `kv_rotate="hadamard"` stores them rotated
+    by a random Hadamard transform per head (TurboQuant, `quantized.py`).
+    `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
+    (Ada-KV: a layer's heads share budget x heads rows by their scores, each
+    keeping at least the fraction `alpha`, default 0.2, of the uniform share;
+    see the module docstring).
     `max_kv_bytes` (e.g. "48MB", or bytes):
     instead of `budget`, the largest budget whose bytes held while decoding,
     over every layer and KV head, stay within it (`kv_budget.py`)."""
@@ -61,6 +63,7 @@ class EvictionOptions(CacheOptions):
     kv_group: int = 32
     kv_residual: int = 128
     target_bits: float | None = None
+    kv_rotate: str | None = None
     head_budget: str = "uniform"
     alpha: float | None = None
     max_kv_bytes: int | str | None = None
@@ -124,12 +127,13 @@ class EvictionOptions(CacheOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        from .kv_bits import check_quant
+        from .kv_bits import check_quant, check_rotate
 
         # kv_group and kv_residual are checked even while kv_bits is unset.
         check_quant(
             self.kv_bits, self.kv_group, self.kv_residual, self.target_bits, "kv_"
         )
+        check_rotate(self.kv_rotate, self.kv_bits, "kv_")
         check_int("sinks", self.sinks, 0)
         check_int("budget", self.budget, 1)
         check_choice("head_budget", self.head_budget, HEAD_BUDGETS)
@@ -156,9 +160,10 @@ class EvictionOptions(CacheOptions):
         if self.max_kv_bytes is not None:
             return self._priced(model, dims)
         if self.kv_bits is not None:
-            from .kv_bits import check_group_divides
+            from .kv_bits import check_group_divides, check_rotatable
 
             check_group_divides(dims, self.kv_group, "kv_")
+            check_rotatable(dims, self.kv_rotate)
         return super().bind(model, dims)
 
     def _priced(self, model, dims):

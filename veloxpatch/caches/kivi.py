@@ -18,7 +18,13 @@ from __future__ import annotations
 import dataclasses
 
 from .base import VeloxCache
-from .kv_bits import QuantizedKV, check_group_divides, check_quant
+from .kv_bits import (
+    QuantizedKV,
+    check_group_divides,
+    check_quant,
+    check_rotatable,
+    check_rotate,
+)
 from .options import CacheOptions
 
 
@@ -26,19 +32,24 @@ from .options import CacheOptions
 class KIVIOptions(CacheOptions):
     """`bits`: code width (2, 3, 4, 8), or "adaptive": 2 to 4 per KV head with a
     mean of `target_bits`. `group`: tokens per key group and channels per value
-    group. `residual`: newest tokens always kept in full precision."""
+    group. `residual`: newest tokens always kept in full precision.
+    `kv_rotate="hadamard"`: quantized rows stored rotated by a random Hadamard
+    transform per head (TurboQuant, `quantized.py`)."""
 
     bits: int | str = 2
     group: int = 32
     residual: int = 128
     target_bits: float | None = None
+    kv_rotate: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
         check_quant(self.bits, self.group, self.residual, self.target_bits)
+        check_rotate(self.kv_rotate, self.bits)
 
     def bind(self, model, dims):
         check_group_divides(dims, self.group)
+        check_rotatable(dims, self.kv_rotate)
         return super().bind(model, dims)
 
     # the names the quantized storage reads

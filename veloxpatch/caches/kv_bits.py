@@ -37,9 +37,11 @@ from .kv_options import (  # noqa: F401  (the names callers import from here)
     allocate_bits,
     check_group_divides,
     check_quant,
+    check_rotatable,
+    check_rotate,
     layer_total,
 )
-from .quantized import QuantizedStore
+from .quantized import QuantizedStore, rotation_signs
 from .qview import QuantizedView
 from .storage import PAD_POSITION
 
@@ -220,7 +222,7 @@ class QuantizedKV:
             # the layer's heads share the bits, those of other ranks included
             total = layer_total(self.options.target_bits, len(entropy), self.layer)
             bits = allocate_bits(entropy, total)[self.shards.head_slice(len(entropy))]
-            self.store = QuantizedStore(bits, self.options.kv_group)
+            self.store = self._new_store(bits)
             self.window_q = None
         else:
             super().end_prompt()
@@ -249,11 +251,22 @@ class QuantizedKV:
         if self.store is None:
             if self._adaptive or self.keys is None:
                 return  # adaptive: widths are chosen when the prompt ends
-            self.store = QuantizedStore((o.kv_bits,) * self.keys.shape[1], o.kv_group)
+            self.store = self._new_store((o.kv_bits,) * self.keys.shape[1])
         n = (self.keys.shape[2] - o.kv_residual) // o.kv_group * o.kv_group
         if n > 0:
             self.store.append(self.keys[:, :, :n], self.values[:, :, :n])
             self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
+
+    def _new_store(self, bits: tuple[int, ...]) -> QuantizedStore:
+        """An empty store of these widths, rotated with `kv_rotate`: the signs
+        of every KV head of the layer are drawn, so a sharded model's ranks
+        rotate their heads as unsharded."""
+        signs = None
+        if self.options.kv_rotate == "hadamard":
+            H, D = self.keys.shape[1], self.keys.shape[3]
+            every = rotation_signs(H * self.shards.size, D, self.layer)
+            signs = self.shards.my_heads(every, axis=0)
+        return QuantizedStore(bits, self.options.kv_group, signs)
 
     def side_arrays(self):
         side = super().side_arrays() + [self.keys, self.values]

@@ -10,6 +10,7 @@ from ..errors import OptionError
 from .options import check_choice, check_int
 
 BITS = (2, 3, 4, 8)
+ROTATIONS = (None, "hadamard")
 GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
 ADAPTIVE_WIDTHS = (2, 3, 4)
 ENTROPY_WINDOW = 32  # last prompt queries whose attention sets adaptive widths
@@ -36,6 +37,30 @@ def check_quant(bits, group, residual, target_bits, prefix: str = "") -> None:
             )
     elif target_bits is not None:
         raise OptionError(f"target_bits needs {prefix}bits='adaptive'")
+
+
+def check_rotate(rotate, bits, prefix: str = "") -> None:
+    """`kv_rotate`: None or "hadamard", which needs quantized rows."""
+    check_choice("kv_rotate", rotate, ROTATIONS)
+    if rotate is not None and bits is None:
+        raise OptionError(
+            f"kv_rotate={rotate!r} needs {prefix}bits: it rotates quantized rows"
+        )
+
+
+def check_rotatable(dims, rotate) -> None:
+    """mx.hadamard_transform takes widths m x 2^k, m in 1, 12, 20, 28."""
+    if rotate is None:
+        return
+    for d in sorted(set(dims.head_dims)):
+        m = d
+        while m % 2 == 0:
+            m //= 2
+        if m not in (1, 3, 5, 7) or (m > 1 and d % (4 * m)):
+            raise OptionError(
+                f"kv_rotate={rotate!r}: a Hadamard transform of head dim {d} is not "
+                "available (widths 2^k, or 12, 20 or 28 times 2^k)"
+            )
 
 
 def check_group_divides(dims, group: int, prefix: str = "") -> None:

@@ -19,6 +19,14 @@ Which grid: `QUANTIZER` "mlx" is `mx.quantize` (affine, its grid snapped so
 that 0 is exact); "minmax" is the paper's asymmetric min/max grid (scale
 (max - min) / (2^bits - 1), zero point min) packed in the same layout. Both
 run on the same kernels; scripts/quantizer_kl.py compares them on SmolLM2.
+
+Rotation (`kv_rotate="hadamard"`, TurboQuant / QuaRot): each head's keys and
+values are stored as x M, M = diag(signs) H / sqrt(D) (random signs per head and
+channel, H the Hadamard matrix): an orthogonal map that spreads outlier channels
+over every coordinate before quantizing. q . k = (q M) . (k M), so a query is
+rotated once before the key kernel, and p . (V M) M^T gives the output: the
+store still never dequantizes, and everything outside it (scores, eviction,
+dequantized copies) sees unrotated rows.
 """
 
 from __future__ import annotations
@@ -68,6 +76,26 @@ def quantize(x: mx.array, group: int, bits: int):
     if QUANTIZER == "minmax":
         return minmax_quantize(x, group, bits)
     return mx.quantize(x, group_size=group, bits=bits)
+
+
+def rotate(x: mx.array, signs: mx.array) -> mx.array:
+    """x [B, H, n, D] -> x M per head (signs [H, D] of +-1)."""
+    y = mx.hadamard_transform(x.astype(mx.float32) * signs[None, :, None, :])
+    return y.astype(x.dtype)
+
+
+def unrotate(y: mx.array, signs: mx.array) -> mx.array:
+    """y [B, H, n, D] -> y M^T: H is symmetric, its scale 1/sqrt(D) included."""
+    x = mx.hadamard_transform(y.astype(mx.float32)) * signs[None, :, None, :]
+    return x.astype(y.dtype)
+
+
+def rotation_signs(heads: int, dim: int, layer: int) -> mx.array:
+    """The +-1 signs [heads, dim] of a layer's rotation, seeded by the layer (a
+    cache's state stores them, so a loaded cache never draws again)."""
+    key = mx.random.key(0x5EED + layer)
+    draw = mx.random.bernoulli(0.5, (heads, dim), key=key)
+    return mx.where(draw, 1.0, -1.0).astype(mx.float32)
 
 
 def _cat(old, new, axis):
@@ -206,10 +234,12 @@ class QuantizedRows:
 class QuantizedStore:
     """Quantized rows of every KV head, each head at its own width (`bits`, one
     per head): heads of one width are stored together, and what attention
-    reads is put back in head order."""
+    reads is put back in head order. `signs` [H, D]: rows stored rotated (module
+    doc); they and every read are unrotated here. The signs are state, not KV:
+    `arrays()` (the bytes held) leaves them out."""
 
-    def __init__(self, bits: tuple[int, ...], group: int):
-        self.bits, self.group = tuple(bits), group
+    def __init__(self, bits: tuple[int, ...], group: int, signs=None):
+        self.bits, self.group, self.signs = tuple(bits), group, signs
         self.widths = sorted(set(self.bits))
         self.heads = [
             [h for h, b in enumerate(self.bits) if b == w] for w in self.widths
@@ -236,19 +266,30 @@ class QuantizedStore:
         return x if self.inverse is None else x[:, self.inverse]
 
     def append(self, k, v) -> None:
+        if self.signs is not None:
+            k, v = rotate(k, self.signs), rotate(v, self.signs)
         for part, kh, vh in zip(self.parts, self._split(k), self._split(v)):
             part.append(kh, vh)
 
     def logits(self, q: mx.array) -> mx.array:
+        if self.signs is not None:
+            q = rotate(q, self.signs)
         return self._join([p.logits(qh) for p, qh in zip(self.parts, self._split(q))])
 
     def weighted(self, p: mx.array) -> mx.array:
         parts = zip(self.parts, self._split(p))
-        return self._join([part.weighted(ph) for part, ph in parts])
+        out = self._join([part.weighted(ph) for part, ph in parts])
+        return out if self.signs is None else unrotate(out, self.signs)
 
     def dequantize(self, dtype):
         pairs = [part.dequantize(dtype) for part in self.parts]
-        return self._join([k for k, _ in pairs]), self._join([v for _, v in pairs])
+        keys, values = (
+            self._join([k for k, _ in pairs]),
+            self._join([v for _, v in pairs]),
+        )
+        if self.signs is not None:
+            keys, values = unrotate(keys, self.signs), unrotate(values, self.signs)
+        return keys, values
 
     def take_groups(self, gid) -> None:
         for part, g in zip(self.parts, self._split(gid)):
@@ -264,7 +305,7 @@ class QuantizedStore:
             part.truncate(rows)
 
     def clone(self) -> QuantizedStore:
-        new = QuantizedStore(self.bits, self.group)
+        new = QuantizedStore(self.bits, self.group, self.signs)
         for src, dst in zip(self.parts, new.parts):
             dst.load(src.state("p"), "p")
         return new
@@ -278,6 +319,8 @@ class QuantizedStore:
 
     def state(self) -> dict:
         st = {"q.bits": mx.array(self.bits, dtype=mx.int32)}
+        if self.signs is not None:
+            st["q.signs"] = self.signs
         for w, part in zip(self.widths, self.parts):
             st.update(part.state(f"q{w}"))
         return st
@@ -286,7 +329,7 @@ class QuantizedStore:
     def from_state(cls, st: dict, group: int) -> QuantizedStore | None:
         if "q.bits" not in st:
             return None
-        store = cls(tuple(st["q.bits"].tolist()), group)
+        store = cls(tuple(st["q.bits"].tolist()), group, st.get("q.signs"))
         for w, part in zip(store.widths, store.parts):
             part.load(st, f"q{w}")
         return store

@@ -1,0 +1,139 @@
+"""Quantized rows stored rotated (`kv_rotate="hadamard"`, TurboQuant): the
+attention over them equals dense attention over their dequantized rows, at
+every width, with and without GQA, in prefill pieces and decode; the rotation
+is orthogonal and spreads an outlier channel; options are checked."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.caches import ALGORITHMS
+from veloxpatch.caches.quantized import (
+    QuantizedStore,
+    rotate,
+    rotation_signs,
+    unrotate,
+)
+from veloxpatch.errors import OptionError
+
+D, GROUP = 64, 32
+
+
+def rel(a, b):
+    a, b = np.array(a, np.float64), np.array(b, np.float64)
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+def test_rotation_is_orthogonal_and_seeded_per_layer():
+    signs = rotation_signs(3, D, layer=5)
+    assert set(np.unique(np.array(signs))) == {-1.0, 1.0}
+    assert (np.array(signs) == np.array(rotation_signs(3, D, layer=5))).all()
+    assert not (np.array(signs) == np.array(rotation_signs(3, D, layer=6))).all()
+    x = mx.random.normal((1, 3, 7, D), key=mx.random.key(1))
+    y = rotate(x, signs)
+    assert rel(unrotate(y, signs), x) < 1e-6
+    assert rel(mx.linalg.norm(y, axis=-1), mx.linalg.norm(x, axis=-1)) < 1e-6
+    assert rel(y @ y.swapaxes(-1, -2), x @ x.swapaxes(-1, -2)) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_store_reads_equal_dense_reads_of_its_dequantized_rows(bits):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(bits), 4)
+    keys = mx.random.normal((1, 2, 64, D), key=k1)
+    values = mx.random.normal((1, 2, 64, D), key=k2)
+    store = QuantizedStore((bits, bits), GROUP, rotation_signs(2, D, 0))
+    store.append(keys, values)
+    dk, dv = store.dequantize(mx.float32)
+    q = mx.random.normal((1, 2, 5, D), key=k3)
+    p = mx.softmax(mx.random.normal((1, 2, 5, 64), key=k4), axis=-1)
+    assert rel(store.logits(q), q @ dk.swapaxes(-1, -2)) < 1e-5
+    assert rel(store.weighted(p), p @ dv) < 1e-5
+    # and the dequantized rows are the original ones, to the grid's error
+    assert rel(dk, keys) < {2: 0.8, 3: 0.4, 4: 0.2, 8: 0.02}[bits]
+
+
+def test_rotation_spreads_outlier_channels_of_per_token_groups():
+    # rows with two channels 10x the rest: values, quantized per token in groups
+    # of channels, lose the small channels to the outliers' range unless rotated;
+    # keys, grouped per channel along tokens, isolate them anyway (no gain)
+    base = mx.random.normal((1, 2, 64, D), key=mx.random.key(7))
+    rows = base * mx.where((mx.arange(D) == 3) | (mx.arange(D) == 40), 10.0, 1.0)
+    err = {}
+    for name, signs in (("plain", None), ("rotated", rotation_signs(2, D, 0))):
+        store = QuantizedStore((2, 2), GROUP, signs)
+        store.append(rows, rows)
+        dk, dv = store.dequantize(mx.float32)
+        norm = mx.linalg.norm(rows)
+        err[name] = [float(mx.linalg.norm(x - rows) / norm) for x in (dk, dv)]
+    assert err["rotated"][1] < 0.7 * err["plain"][1]  # values
+    assert err["rotated"][0] == pytest.approx(err["plain"][0], rel=0.1)  # keys
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_cache_attention_equals_dense_attention_of_its_rows(bits, heads):
+    # kernel path: prefill pieces under 32 queries, then decode
+    hq, hkv = heads
+    cls = ALGORITHMS["kivi"]
+    cache = cls(cls.Options(bits=bits, residual=4, kv_rotate="hadamard"))
+    total = 0
+    for i, L in enumerate([20, 30, 25, 1, 1, 1]):
+        kq, kk, kv = mx.random.split(mx.random.key(100 * bits + i), 3)
+        q = mx.random.normal((1, hq, L, D), key=kq)
+        k = mx.random.normal((1, hkv, L, D), key=kk)
+        v = mx.random.normal((1, hkv, L, D), key=kv)
+        dk, dv = k, v  # what the call attends: the rows held, then its own
+        if total:
+            view, values = cache._view()
+            if hasattr(view, "rows_dense"):
+                view, values = view.rows_dense()
+            dk, dv = mx.concatenate([view, k], 2), mx.concatenate([values, v], 2)
+        quantized = cache.quantized
+        out = cache.attend(q, k, v, rope=lambda t, offset=0: t, scale=D**-0.5)
+        total += L
+        mask = mx.arange(total)[None] <= mx.arange(total - L, total)[:, None]
+        ref = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=D**-0.5, mask=mask)
+        assert rel(out, ref) < 1e-5
+    assert quantized > 0 and cache.store.signs is not None
+
+
+def test_rotated_rows_round_trip_a_file(tmp_path):
+    model = tiny_model("qwen3", head_dim=D)
+    opts = dict(bits=2, residual=4, kv_rotate="hadamard")
+    with veloxpatch.patched(model, "kivi", **opts) as patch:
+        caches = patch.make_cache()
+        model(prompt_tokens(80)[None], cache=caches)
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+        for a, b in zip(caches, loaded):
+            assert (np.array(a.store.signs) == np.array(b.store.signs)).all()
+        nxt = mx.array([[5]])
+        assert mx.array_equal(model(nxt, cache=caches), model(nxt, cache=loaded))
+
+
+@pytest.mark.parametrize(
+    "algo,opts,match",
+    [
+        ("kivi", dict(kv_rotate="random"), "kv_rotate must be one of"),
+        ("snapkv", dict(kv_rotate="hadamard"), "needs kv_bits"),
+        ("snapkv", dict(kv_bits=4, kv_rotate=True), "kv_rotate must be one of"),
+    ],
+)
+def test_rotation_options_are_checked(algo, opts, match):
+    model = tiny_model("llama", head_dim=D)
+    with pytest.raises(OptionError, match=match):
+        veloxpatch.apply(model, algo, **opts)
+    assert veloxpatch.api.patch_of(model) is None
+
+
+def test_a_head_dim_without_a_hadamard_transform_is_refused():
+    model = tiny_model("llama", head_dim=96)  # 3 x 32: 96 = 12 x 8 is fine
+    veloxpatch.apply(model, "kivi", bits=4, kv_rotate="hadamard").restore()
+    odd = tiny_model("llama", head_dim=160)  # 5 x 32 = 20 x 8: fine too
+    veloxpatch.apply(odd, "kivi", bits=4, kv_rotate="hadamard").restore()
+    bad = tiny_model("llama", head_dim=288)  # 9 x 32
+    with pytest.raises(OptionError, match="head dim 288"):
+        veloxpatch.apply(bad, "kivi", bits=4, kv_rotate="hadamard")
+    assert veloxpatch.api.patch_of(bad) is None
