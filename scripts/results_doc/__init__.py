@@ -52,6 +52,7 @@ SECTIONS = [
     budgets.knorm_recent,
     budgets.passkey,
     budgets.lookahead,
+    budgets.prompt_chunks,
     studies.a2ats_codebook,
     studies.qfilters_rank,
 ]

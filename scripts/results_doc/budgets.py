@@ -256,3 +256,94 @@ def knorm_recent() -> list[str]:
         "recency.",
         "",
     ]
+
+
+CHUNK_FILES = ("passkey_chunks_aware", "passkey_chunks_agnostic")
+CHUNK_FILES += ("ppl_chunks_aware", "ppl_chunks_agnostic")
+CHUNK_FAMILIES = ("snapkv", "adakv", "expected_attention")
+
+
+def prompt_chunks() -> list[str]:
+    """compress="chunks" against "prompt_end" at equal budget, both protocols:
+    shown once every file of the comparison exists."""
+    import results_markdown as rm
+
+    if not all((rm.RESULTS / f"{n}.json").exists() for n in CHUNK_FILES):
+        return []
+    pk_aware, pk_agn, ppl_aware, ppl_agn = (load(n) for n in CHUNK_FILES)
+    fams = ["full"]
+    for f in CHUNK_FAMILIES:
+        fams += [f, f"{f}:compress=chunks"]
+    budgets = [256, 512]
+    lines = [
+        "## Compression during the prompt against at its end",
+        "",
+        '`compress="chunks"` (default chunk 512) cuts the cache back to its '
+        "budget every 512 prompt tokens, scored with what has been read so far; "
+        '`"prompt_end"` (the default) holds the whole prompt and compresses once '
+        "with the question's window. Same cases, same budgets; ~1,500-token "
+        "prompts, so the chunked mode cuts at most twice before the end. "
+        "Question-aware: the question inside the prompt; agnostic: the context "
+        "compressed on its own, the question (or the continuation) sent after.",
+        "",
+    ]
+    for title, res in (("question in the prompt", pk_aware), ("asked after", pk_agn)):
+        lines += [
+            f"Passkey, {title} (Wilson 95% intervals):",
+            "",
+            meta(res["config"]["out"].split("/")[-1][:-5], res),
+            "",
+            *_passkey_grid([res], fams, budgets, smallest=False),
+            "",
+            *command(
+                f"{PY} scripts/quality_passkey.py",
+                res["config"],
+                PK_KEYS + ["protocol"],
+            ),
+            "",
+        ]
+    for title, res in (("in the prompt", ppl_aware), ("after", ppl_agn)):
+        lines += [
+            f"Continuation {title}; cells are budgets 256 / 512:",
+            "",
+            meta(res["config"]["out"].split("/")[-1][:-5], res),
+            "",
+            *_ppl_table([res]),
+            "",
+            *command(
+                f"{PY} scripts/quality_ppl.py", res["config"], PPL_KEYS + ["protocol"]
+            ),
+            "",
+        ]
+    lines += _chunk_findings(pk_aware, pk_agn, ppl_aware, ppl_agn) + [""]
+    return lines
+
+
+def _chunk_findings(pk_aware, pk_agn, ppl_aware, ppl_agn) -> list[str]:
+    """One line per family: chunked minus prompt-end, passkey and KL, per
+    protocol and budget."""
+    out = []
+    for f in CHUNK_FAMILIES:
+        parts = []
+        for name, pk, ppl in (
+            ("aware", pk_aware, ppl_aware),
+            ("agnostic", pk_agn, ppl_agn),
+        ):
+            p, k = (
+                _families(table_of(pk, "passkey")),
+                _families(table_of(ppl, "continuation")),
+            )
+            chunked, end = f"{f}:compress=chunks", f
+            if chunked not in p or end not in p:
+                continue
+            cells = []
+            for b in (256, 512):
+                if b in p[chunked] and b in p[end]:
+                    cells.append(
+                        f"{b}: passkey {p[chunked][b]['correct']} vs "
+                        f"{p[end][b]['correct']}, KL {k[chunked][b]['kl']:.3f} vs "
+                        f"{k[end][b]['kl']:.3f}"
+                    )
+            parts.append(f"{name} ({'; '.join(cells)})")
+        out.append(f"- `{f}` chunked vs prompt-end: {', '.join(parts)}.")
+    return out
