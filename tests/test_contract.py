@@ -47,10 +47,19 @@ CHUNKED = dict(compress="chunks", chunk=8)
 # quantized rows stored rotated (TurboQuant), at 8 and at 2 bits
 ROTATED = [
     ("kivi", dict(CONTRACT["kivi"], kv_rotate="hadamard"), "kivi-rot"),
+    ("kivi", dict(CONTRACT["kivi"], kv_keys="token"), "kivi-token"),
     (
         "snapkv",
-        dict(budget=40, window=4, kv_bits=2, kv_residual=4, kv_rotate="hadamard"),
-        "snapkv-kv2-rot",
+        # 40 rows: whole 32-row groups are quantized before eviction
+        dict(
+            budget=40,
+            window=4,
+            kv_bits=2,
+            kv_residual=4,
+            kv_rotate="hadamard",
+            kv_keys="token",
+        ),
+        "snapkv-kv2-token-rot",
     ),
 ]
 NOT_EVICTING = {"full", "a2ats", "kivi"}

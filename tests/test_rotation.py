@@ -38,20 +38,27 @@ def test_rotation_is_orthogonal_and_seeded_per_layer():
     assert rel(y @ y.swapaxes(-1, -2), x @ x.swapaxes(-1, -2)) < 1e-5
 
 
+@pytest.mark.parametrize("keys", ["channel", "token"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_store_reads_equal_dense_reads_of_its_dequantized_rows(bits):
+def test_store_reads_equal_dense_reads_of_its_dequantized_rows(bits, keys):
     k1, k2, k3, k4 = mx.random.split(mx.random.key(bits), 4)
-    keys = mx.random.normal((1, 2, 64, D), key=k1)
+    rows_k = mx.random.normal((1, 2, 64, D), key=k1)
     values = mx.random.normal((1, 2, 64, D), key=k2)
-    store = QuantizedStore((bits, bits), GROUP, rotation_signs(2, D, 0))
-    store.append(keys, values)
+    store = QuantizedStore((bits, bits), GROUP, rotation_signs(2, D, 0), keys)
+    store.append(rows_k, values)
+    # whole groups kept, then some rows only, as eviction and compaction do
+    store.take_groups(mx.array([[[1, 0], [0, 1]]]))
+    store.truncate(GROUP)
     dk, dv = store.dequantize(mx.float32)
     q = mx.random.normal((1, 2, 5, D), key=k3)
-    p = mx.softmax(mx.random.normal((1, 2, 5, 64), key=k4), axis=-1)
+    p = mx.softmax(mx.random.normal((1, 2, 5, GROUP), key=k4), axis=-1)
     assert rel(store.logits(q), q @ dk.swapaxes(-1, -2)) < 1e-5
     assert rel(store.weighted(p), p @ dv) < 1e-5
     # and the dequantized rows are the original ones, to the grid's error
-    assert rel(dk, keys) < {2: 0.8, 3: 0.4, 4: 0.2, 8: 0.02}[bits]
+    kept = mx.stack([rows_k[0, 0, GROUP:], rows_k[0, 1, :GROUP]])[None]
+    assert rel(dk, kept) < {2: 0.8, 3: 0.4, 4: 0.2, 8: 0.02}[bits]
+    st = QuantizedStore.from_state(store.state(), GROUP)
+    assert st.keys == keys and mx.array_equal(st.dequantize(mx.float32)[0], dk)
 
 
 def test_rotation_spreads_outlier_channels_of_per_token_groups():
@@ -71,13 +78,15 @@ def test_rotation_spreads_outlier_channels_of_per_token_groups():
     assert err["rotated"][0] == pytest.approx(err["plain"][0], rel=0.1)  # keys
 
 
+@pytest.mark.parametrize("keys", ["channel", "token"])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_cache_attention_equals_dense_attention_of_its_rows(bits, heads):
+def test_cache_attention_equals_dense_attention_of_its_rows(bits, heads, keys):
     # kernel path: prefill pieces under 32 queries, then decode
     hq, hkv = heads
     cls = ALGORITHMS["kivi"]
-    cache = cls(cls.Options(bits=bits, residual=4, kv_rotate="hadamard"))
+    opts = dict(bits=bits, residual=4, kv_rotate="hadamard", kv_keys=keys)
+    cache = cls(cls.Options(**opts))
     total = 0
     for i, L in enumerate([20, 30, 25, 1, 1, 1]):
         kq, kk, kv = mx.random.split(mx.random.key(100 * bits + i), 3)
@@ -119,6 +128,7 @@ def test_rotated_rows_round_trip_a_file(tmp_path):
         ("kivi", dict(kv_rotate="random"), "kv_rotate must be one of"),
         ("snapkv", dict(kv_rotate="hadamard"), "needs kv_bits"),
         ("snapkv", dict(kv_bits=4, kv_rotate=True), "kv_rotate must be one of"),
+        ("kivi", dict(kv_keys="row"), "kv_keys must be one of"),
     ],
 )
 def test_rotation_options_are_checked(algo, opts, match):

@@ -47,8 +47,9 @@ class EvictionOptions(CacheOptions):
     included. `sinks`: first tokens always kept. `kv_bits` (2, 3, 4, 8 or
     "adaptive" with `target_bits`): store the kept rows KIVI-quantized, keys per
     channel over `kv_group` rows, values per row, the newest `kv_residual` rows in
-    full precision (see `kv_bits.py`); `kv_rotate="hadamard"` stores them rotated
-    by a random Hadamard transform per head (TurboQuant, `quantized.py`).
+    full precision (see `kv_bits.py`); `kv_keys="token"` quantizes keys per row
+    instead; `kv_rotate="hadamard"` stores them rotated by a random Hadamard
+    transform per head (TurboQuant, `quantized.py`).
     `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
     (Ada-KV: a layer's heads share budget x heads rows by their scores, each
     keeping at least the fraction `alpha`, default 0.2, of the uniform share;
@@ -64,6 +65,7 @@ class EvictionOptions(CacheOptions):
     kv_residual: int = 128
     target_bits: float | None = None
     kv_rotate: str | None = None
+    kv_keys: str = "channel"
     head_budget: str = "uniform"
     alpha: float | None = None
     max_kv_bytes: int | str | None = None
@@ -133,7 +135,7 @@ class EvictionOptions(CacheOptions):
         check_quant(
             self.kv_bits, self.kv_group, self.kv_residual, self.target_bits, "kv_"
         )
-        check_rotate(self.kv_rotate, self.kv_bits, "kv_")
+        check_rotate(self.kv_rotate, self.kv_keys, self.kv_bits, "kv_")
         check_int("sinks", self.sinks, 0)
         check_int("budget", self.budget, 1)
         check_choice("head_budget", self.head_budget, HEAD_BUDGETS)

@@ -34,18 +34,20 @@ class KIVIOptions(CacheOptions):
     mean of `target_bits`. `group`: tokens per key group and channels per value
     group. `residual`: newest tokens always kept in full precision.
     `kv_rotate="hadamard"`: quantized rows stored rotated by a random Hadamard
-    transform per head (TurboQuant, `quantized.py`)."""
+    transform per head (TurboQuant, `quantized.py`). `kv_keys="token"`: keys
+    quantized per token, along channels, as values (KIVI's are per channel)."""
 
     bits: int | str = 2
     group: int = 32
     residual: int = 128
     target_bits: float | None = None
     kv_rotate: str | None = None
+    kv_keys: str = "channel"
 
     def __post_init__(self):
         super().__post_init__()
         check_quant(self.bits, self.group, self.residual, self.target_bits)
-        check_rotate(self.kv_rotate, self.bits)
+        check_rotate(self.kv_rotate, self.kv_keys, self.bits)
 
     def bind(self, model, dims):
         check_group_divides(dims, self.group)

@@ -258,15 +258,15 @@ class QuantizedKV:
             self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
 
     def _new_store(self, bits: tuple[int, ...]) -> QuantizedStore:
-        """An empty store of these widths, rotated with `kv_rotate`: the signs
-        of every KV head of the layer are drawn, so a sharded model's ranks
-        rotate their heads as unsharded."""
+        """An empty store of these widths, keys grouped by `kv_keys`, rotated
+        with `kv_rotate`: the signs of every KV head of the layer are drawn, so
+        a sharded model's ranks rotate their heads as unsharded."""
         signs = None
         if self.options.kv_rotate == "hadamard":
             H, D = self.keys.shape[1], self.keys.shape[3]
             every = rotation_signs(H * self.shards.size, D, self.layer)
             signs = self.shards.my_heads(every, axis=0)
-        return QuantizedStore(bits, self.options.kv_group, signs)
+        return QuantizedStore(bits, self.options.kv_group, signs, self.options.kv_keys)
 
     def side_arrays(self):
         side = super().side_arrays() + [self.keys, self.values]

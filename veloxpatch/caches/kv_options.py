@@ -11,6 +11,7 @@ from .options import check_choice, check_int
 
 BITS = (2, 3, 4, 8)
 ROTATIONS = (None, "hadamard")
+KEY_GROUPS = ("channel", "token")  # keys quantized per channel (KIVI) or per token
 GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
 ADAPTIVE_WIDTHS = (2, 3, 4)
 ENTROPY_WINDOW = 32  # last prompt queries whose attention sets adaptive widths
@@ -39,9 +40,11 @@ def check_quant(bits, group, residual, target_bits, prefix: str = "") -> None:
         raise OptionError(f"target_bits needs {prefix}bits='adaptive'")
 
 
-def check_rotate(rotate, bits, prefix: str = "") -> None:
-    """`kv_rotate`: None or "hadamard", which needs quantized rows."""
+def check_rotate(rotate, keys, bits, prefix: str = "") -> None:
+    """`kv_rotate`: None or "hadamard", which needs quantized rows; `kv_keys`:
+    "channel" or "token"."""
     check_choice("kv_rotate", rotate, ROTATIONS)
+    check_choice("kv_keys", keys, KEY_GROUPS)
     if rotate is not None and bits is None:
         raise OptionError(
             f"kv_rotate={rotate!r} needs {prefix}bits: it rotates quantized rows"

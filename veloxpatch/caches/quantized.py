@@ -2,7 +2,9 @@
 
 Keys are stored transposed, K^T [B, H, D, T], and quantized along T in groups
 of `group` tokens: one scale and bias per channel and group of tokens, KIVI's
-per-channel keys. Values [B, H, T, D] are quantized along D in groups of `group`
+per-channel keys (`kv_keys="token"`: as values, per token along D, read with
+quantized_matmul(q, K_w, ..., transpose=True), as mlx-lm's cache and TurboQuant
+do). Values [B, H, T, D] are quantized along D in groups of `group`
 channels, per token. Both are mlx's packed affine layout (codes as a
 little-endian bit stream in uint32 words, scales and biases in the model's
 dtype), so attention never dequantizes:
@@ -105,43 +107,44 @@ def _cat(old, new, axis):
 class QuantizedRows:
     """Quantized rows of heads sharing one width, [B, H, ...].
 
-    Keys: `kw` [B, H, D, T/32*bits], `ks`, `kb` [B, H, D, T/group].
+    Keys per channel (KIVI): `kw` [B, H, D, T/32*bits], `ks`, `kb` [B, H, D,
+    T/group]; per token (`keys="token"`, as values and mlx-lm's cache): `kw`
+    [B, H, T, D/32*bits], `ks`, `kb` [B, H, T, D/group].
     Values: `vw` [B, H, T, D/32*bits], `vs`, `vb` [B, H, T, D/group]."""
 
     NAMES = ("kw", "ks", "kb", "vw", "vs", "vb")
 
-    def __init__(self, bits: int, group: int):
-        self.bits, self.group = bits, group
+    def __init__(self, bits: int, group: int, keys: str = "channel"):
+        self.bits, self.group, self.keys = bits, group, keys
         for name in self.NAMES:
             setattr(self, name, None)
+
+    def _per_token(self) -> tuple[str, ...]:
+        """The arrays stored a row per token: [B, H, T, ...]."""
+        return self.NAMES if self.keys == "token" else self.NAMES[3:]
 
     @property
     def rows(self) -> int:
         return 0 if self.vw is None else self.vw.shape[2]
 
-    def _qmm(self, x, w, s, b):
+    def _qmm(self, x, w, s, b, transpose=False):
         return mx.quantized_matmul(
-            x, w, s, b, transpose=False, group_size=self.group, bits=self.bits
+            x, w, s, b, transpose=transpose, group_size=self.group, bits=self.bits
         )
 
     def append(self, k: mx.array, v: mx.array) -> None:
         """Quantize and add rows [B, H, n, D]; n is a multiple of `group`."""
-        kw, ks, kb = quantize(k.swapaxes(-1, -2), self.group, self.bits)
+        token = self.keys == "token"
+        kw, ks, kb = quantize(k if token else k.swapaxes(-1, -2), self.group, self.bits)
         vw, vs, vb = quantize(v, self.group, self.bits)
-        self.kw, self.ks, self.kb = (
-            _cat(self.kw, kw, -1),
-            _cat(self.ks, ks, -1),
-            _cat(self.kb, kb, -1),
-        )
-        self.vw, self.vs, self.vb = (
-            _cat(self.vw, vw, 2),
-            _cat(self.vs, vs, 2),
-            _cat(self.vb, vb, 2),
-        )
+        new = dict(kw=kw, ks=ks, kb=kb, vw=vw, vs=vs, vb=vb)
+        rows = self._per_token()
+        for name, a in new.items():
+            setattr(self, name, _cat(getattr(self, name), a, 2 if name in rows else -1))
 
     def logits(self, q: mx.array) -> mx.array:
         """q [B, H, M, D] . K^T -> [B, H, M, T]."""
-        return self._qmm(q, self.kw, self.ks, self.kb)
+        return self._qmm(q, self.kw, self.ks, self.kb, transpose=self.keys == "token")
 
     def weighted(self, p: mx.array) -> mx.array:
         """p [B, H, M, T] . V -> [B, H, M, D]."""
@@ -152,7 +155,9 @@ class QuantizedRows:
         g, b = self.group, self.bits
         keys = mx.dequantize(self.kw, self.ks, self.kb, group_size=g, bits=b)
         values = mx.dequantize(self.vw, self.vs, self.vb, group_size=g, bits=b)
-        return keys.swapaxes(-1, -2).astype(dtype), values.astype(dtype)
+        if self.keys != "token":
+            keys = keys.swapaxes(-1, -2)
+        return keys.astype(dtype), values.astype(dtype)
 
     def _by_group(self):
         """Every array with its groups of rows on one axis: name -> (array
@@ -160,12 +165,13 @@ class QuantizedRows:
         B, H, T = *self.vw.shape[:2], self.rows
         G = T // self.group
         out = {}
-        for name in ("kw", "ks", "kb"):  # [B, H, D, T*] -> [B, H, D, G, T*/G]
+        rows = self._per_token()
+        for name in self.NAMES:
             a = getattr(self, name)
-            out[name] = (a.reshape(B, H, a.shape[2], G, a.shape[3] // G), 3)
-        for name in ("vw", "vs", "vb"):  # [B, H, T, x] -> [B, H, G, group*x]
-            a = getattr(self, name)
-            out[name] = (a.reshape(B, H, G, -1), 2)
+            if name in rows:  # [B, H, T, x] -> [B, H, G, group*x]
+                out[name] = (a.reshape(B, H, G, -1), 2)
+            else:  # [B, H, D, T*] -> [B, H, D, G, T*/G]
+                out[name] = (a.reshape(B, H, a.shape[2], G, a.shape[3] // G), 3)
         return out
 
     def _from_groups(self, grouped: dict) -> None:
@@ -189,7 +195,7 @@ class QuantizedRows:
         of head h is the old group gid[b, h, j] unchanged where exact[b, h, j]
         (its rows are exactly that group's, in order)."""
         old = self._by_group() if self.vw is not None else None
-        self.__init__(self.bits, self.group)
+        self.__init__(self.bits, self.group, self.keys)
         if k.shape[2] == 0:
             return
         self.append(k, v)
@@ -211,14 +217,15 @@ class QuantizedRows:
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` (a multiple of `group`)."""
         if rows == 0:
-            self.__init__(self.bits, self.group)
+            self.__init__(self.bits, self.group, self.keys)
             return
         T = self.rows
-        for name in ("kw", "ks", "kb"):  # the last axis is proportional to T
+        for name in self.NAMES:
             a = getattr(self, name)
-            setattr(self, name, a[..., : a.shape[-1] * rows // T])
-        for name in ("vw", "vs", "vb"):
-            setattr(self, name, getattr(self, name)[:, :, :rows])
+            if name in self._per_token():
+                setattr(self, name, a[:, :, :rows])
+            else:  # the last axis is proportional to T
+                setattr(self, name, a[..., : a.shape[-1] * rows // T])
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (getattr(self, n) for n in self.NAMES) if a is not None]
@@ -238,13 +245,15 @@ class QuantizedStore:
     doc); they and every read are unrotated here. The signs are state, not KV:
     `arrays()` (the bytes held) leaves them out."""
 
-    def __init__(self, bits: tuple[int, ...], group: int, signs=None):
-        self.bits, self.group, self.signs = tuple(bits), group, signs
+    def __init__(
+        self, bits: tuple[int, ...], group: int, signs=None, keys: str = "channel"
+    ):
+        self.bits, self.group, self.signs, self.keys = tuple(bits), group, signs, keys
         self.widths = sorted(set(self.bits))
         self.heads = [
             [h for h, b in enumerate(self.bits) if b == w] for w in self.widths
         ]
-        self.parts = [QuantizedRows(w, group) for w in self.widths]
+        self.parts = [QuantizedRows(w, group, keys) for w in self.widths]
         order = [h for heads in self.heads for h in heads]
         self.inverse = None
         if order != list(range(len(order))):
@@ -305,7 +314,7 @@ class QuantizedStore:
             part.truncate(rows)
 
     def clone(self) -> QuantizedStore:
-        new = QuantizedStore(self.bits, self.group, self.signs)
+        new = QuantizedStore(self.bits, self.group, self.signs, self.keys)
         for src, dst in zip(self.parts, new.parts):
             dst.load(src.state("p"), "p")
         return new
@@ -321,6 +330,8 @@ class QuantizedStore:
         st = {"q.bits": mx.array(self.bits, dtype=mx.int32)}
         if self.signs is not None:
             st["q.signs"] = self.signs
+        if self.keys == "token":  # absent: per channel, as files before it
+            st["q.token_keys"] = mx.array([1], dtype=mx.int32)
         for w, part in zip(self.widths, self.parts):
             st.update(part.state(f"q{w}"))
         return st
@@ -329,7 +340,8 @@ class QuantizedStore:
     def from_state(cls, st: dict, group: int) -> QuantizedStore | None:
         if "q.bits" not in st:
             return None
-        store = cls(tuple(st["q.bits"].tolist()), group, st.get("q.signs"))
+        keys = "token" if "q.token_keys" in st else "channel"
+        store = cls(tuple(st["q.bits"].tolist()), group, st.get("q.signs"), keys)
         for w, part in zip(store.widths, store.parts):
             part.load(st, f"q{w}")
         return store
