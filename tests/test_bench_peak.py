@@ -282,3 +282,24 @@ def test_results_doc_section(tmp_path, monkeypatch):
     assert "](../scripts/results/bench_memory_peak.svg)" in "\n".join(
         peak.peak_memory()
     )
+
+
+def test_long_prompt_section(tmp_path, monkeypatch):
+    import results_markdown as rm
+    from results_doc import peak
+
+    monkeypatch.setattr(rm, "RESULTS", tmp_path)
+    assert peak.long_prompt() == []
+    rows = [
+        dict(arm=a, prompt_tokens=16384, peak_bytes=p, kv_held_bytes=k)
+        | dict(prefill_tok_s=100.0, seconds=10.0, command="x", reply="y")
+        for a, p, k in (("unpatched", 900e6, 780e6), ("snapkv_chunks", 60e6, 20e6))
+    ]
+    config = dict(tokens=16384, prefill_step=512, chunk=256, max_kv_bytes="24MB")
+    config |= dict(arms="unpatched,snapkv_chunks", out="x.json", max_tokens=16)
+    run = {"git_commit": "abc1234", "time_utc": "2026-01-01T00:00:00Z"}
+    res = {"run": run, "config": config, "table": rows}
+    (tmp_path / "long_prompt.json").write_text(json.dumps(res))
+    text = "\n".join(peak.long_prompt())
+    assert "| `snapkv_chunks` | 16,384 | 60.0 | 0.07x | 20.0 | 100.0 |" in text
+    assert "--max-kv-bytes 24MB" in text and "--chunk 256" in text

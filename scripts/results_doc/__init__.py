@@ -42,6 +42,7 @@ SECTIONS = [
     speed.memory,
     peak.peak_memory,
     peak.attention_tiles,
+    peak.long_prompt,
     speed.decode_quantized,
     quantized.quantizer_grid,
     quantized.eviction_holes,
