@@ -45,6 +45,7 @@ SECTIONS = [
     peak.long_prompt,
     speed.decode_quantized,
     quantized.quantizer_grid,
+    quantized.rotated,
     quantized.eviction_holes,
     quantized.decode_on_kernels,
     speed.decode_eviction,

@@ -109,7 +109,7 @@ def passkey_all() -> list[str]:
     ]
 
 
-def _ppl_rows(res) -> list[list]:
+def ppl_rows(res) -> list[list]:
     rows = []
     for t in res["continuation"]["table"]:
         rows.append(
@@ -157,7 +157,7 @@ def quantized_ppl() -> list[str]:
         "",
         meta("eval_kivi_a2ats_ppl", res),
         "",
-        *table(head, _ppl_rows(res)),
+        *table(head, ppl_rows(res)),
         "",
         *command("veloxpatch eval", cfg, PPL_KEYS, RENAME),
         "",
@@ -198,7 +198,7 @@ def quantized_ppl() -> list[str]:
         "",
         meta("eval_kivi_first", first),
         "",
-        *table(head, _ppl_rows(first)),
+        *table(head, ppl_rows(first)),
         "",
         *command("veloxpatch eval", first["config"], PPL_KEYS, RENAME),
         "",

@@ -3,7 +3,10 @@ evicting quantized rows costs, and decode speed against mlx-lm's 4-bit cache."""
 
 from __future__ import annotations
 
+import results_markdown as rm
 from results_markdown import command, load, meta, table
+
+from .eval_runs import PPL_KEYS, RENAME, ppl_rows
 
 PY = ".venv/bin/python"
 
@@ -252,3 +255,72 @@ def kernel_times() -> list[str]:
         "on Apple GPUs these are different (Metal) kernels, not measured here.",
         "",
     ]
+
+
+ROTATED = "eval_rotated_kl"
+TURBO = "kv_keys=token,kv_rotate=hadamard"
+
+
+def rotated() -> list[str]:
+    """kv_rotate / kv_keys against KIVI's layout and mlx-lm's 4-bit cache, on
+    one or two prose sources: shown once the first file exists."""
+    names = [
+        n
+        for n in (ROTATED, f"{ROTATED}_licenses")
+        if (rm.RESULTS / f"{n}.json").exists()
+    ]
+    if not names:
+        return []
+    lines = [
+        "## Rotated low-bit rows (TurboQuant-style)",
+        "",
+        '`kv_rotate="hadamard"` stores quantized rows rotated by a random '
+        'Hadamard transform per head; `kv_keys="token"` quantizes keys per '
+        "token (mlx-lm's and TurboQuant's layout) instead of KIVI's per channel. "
+        "Protocol of the quantization section: contexts of 2,000 tokens, a "
+        "256-token continuation fed one token per call, KL(full ‖ arm). KV MB is "
+        "what the caches hold at the end (float32 model: the full-precision "
+        "residual of `residual` rows weighs most at 2 bits).",
+        "",
+    ]
+    findings = []
+    for name in names:
+        res = load(name)
+        cfg = res["config"]
+        t = {r["arm"]: r for r in res["continuation"]["table"]}
+        source = cfg.get("text") or "evaluation"
+        lines += [
+            f"Prose: `{source}`.",
+            "",
+            meta(name, res),
+            "",
+            *table(
+                ["arm", "ppl", "agreement with full", "KL(full ‖ arm)", "KV MB"],
+                ppl_rows(res),
+            ),
+            "",
+            *command("veloxpatch eval", cfg, PPL_KEYS + ["text"], RENAME),
+            "",
+        ]
+        m4 = t.get("mlx.quantized:kv_bits=4")
+        cells = []
+        for bits in (2, 3, 4):
+            plain, turbo = (
+                t.get(f"kivi:bits={bits}"),
+                t.get(f"kivi:bits={bits},{TURBO}"),
+            )
+            if plain and turbo:
+                cells.append(
+                    f"{bits} bits {turbo['kl']:.4f} against KIVI's {plain['kl']:.4f}"
+                )
+        small = t.get(f"kivi:bits=2,residual=32,{TURBO}")
+        if small and m4:
+            cells.append(
+                f"2 bits with a 32-row residual {small['kl']:.4f} at "
+                f"{small['kv_mb']:.1f} MB ({small['kv_mb'] / m4['kv_mb']:.2f}x the "
+                f"bytes of mlx-lm's 4-bit cache, KL {m4['kl']:.4f})"
+            )
+        findings.append(
+            f"- `{source}`: rotated per-token keys, " + "; ".join(cells) + "."
+        )
+    return lines + findings + [""]
