@@ -14,6 +14,7 @@ context) and the decode's on the KV held.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -99,6 +100,7 @@ def measure(model, arm: Arm, ids, decode_tokens: int, step: int, rss=False) -> d
     with arm_caches(model, arm, [], None, step) as (caches, _):
         mx.eval([c.state for c in caches if getattr(c, "keys", None) is not None])
         kv_peak = watch_kv_peak(caches)
+        gc.collect()  # an earlier arm's arrays, freed later, would count against it
         mx.synchronize()
         rss_out = {}
         if rss:
