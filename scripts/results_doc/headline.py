@@ -15,6 +15,64 @@ from .quantized import BENCH, decode_ratio
 OURS = ["snapkv", "pyramidkv", "adakv", "h2o", "tova", "keyformer", "streaming_llm"]
 
 
+def later_rows() -> list[list[str]]:
+    """Rows from the chat, peak-memory and rotated-rows runs, once they exist."""
+    import results_markdown as rm
+
+    rows = []
+    if (rm.RESULTS / "bench_chat.json").exists():
+        chat = by_key(load("bench_chat")["table"])
+        ok = [a for a in ("kvzip", "snapkv", "streaming_llm") if a in chat]
+        if ok and "mlx_lm_unpatched" in chat:
+
+            def turn2(r):
+                return count(r["needle_second_turn2_code"])
+
+            u = chat["mlx_lm_unpatched"]
+            rows.append(
+                [
+                    "chat through the server, turn 2 asks what turn 1 did not "
+                    "(the number after a summary), 256 rows",
+                    ", ".join(
+                        f"`{a}` {turn2(chat[a])}"
+                        + (
+                            f" ({chat[a]['kv_bytes_per_conversation'] / 1e6:.1f} MB)"
+                            if i == 0
+                            else ""
+                        )
+                        for i, a in enumerate(ok)
+                    ),
+                    f"`mlx_lm.server` {turn2(u)} "
+                    f"({u['full_kv_bytes_per_conversation'] / 1e6:.1f} MB)",
+                ]
+            )
+    if (rm.RESULTS / "bench_memory_peak.json").exists():
+        peak = load("bench_memory_peak")
+        at = {
+            r["arm"]: r
+            for r in peak["rows"]
+            if r["context"] == 8192 and "error" not in r
+        }
+        chunked = "snapkv:budget=512,compress=chunks"
+        if chunked in at and "unpatched" in at:
+            c, u = at[chunked], at["unpatched"]
+            end = at.get("snapkv:budget=512", c)
+            step = peak["config"]["prefill_step_size"]
+            rows.append(
+                [
+                    f"peak memory above the weights reading an 8,192-token prompt "
+                    f"(chunks of {step}), KV at its peak",
+                    f"`snapkv` 512 rows, `compress=chunks`: "
+                    f"{c['prefill_peak_bytes'] / 1e6:.0f} MB, KV "
+                    f"{c['kv_peak_bytes'] / 1e6:.1f} MB; prompt-end mode "
+                    f"{end['prefill_peak_bytes'] / 1e6:.0f} MB",
+                    f"{u['prefill_peak_bytes'] / 1e6:.0f} MB, KV "
+                    f"{u['kv_peak_bytes'] / 1e6:.1f} MB",
+                ]
+            )
+    return rows
+
+
 def headline() -> list[str]:
     pk = {
         (t["family"], t["budget"]): t for t in load("eval_passkey")["passkey"]["table"]
@@ -123,6 +181,7 @@ def headline() -> list[str]:
             f"1.00x; 4-bit `QuantizedKVCache` {vs('mlx.quantized:kv_bits=4')}",
         ],
     ]
+    rows += later_rows()
     head = ["measured on SmolLM2-135M (CPU)", "veloxpatch", "mlx-lm"]
     worse, pairs = worse_pairs()
     peers = (
