@@ -302,25 +302,49 @@ def rotated() -> list[str]:
             *command("veloxpatch eval", cfg, PPL_KEYS + ["text"], RENAME),
             "",
         ]
-        m4 = t.get("mlx.quantized:kv_bits=4")
-        cells = []
-        for bits in (2, 3, 4):
-            plain, turbo = (
-                t.get(f"kivi:bits={bits}"),
-                t.get(f"kivi:bits={bits},{TURBO}"),
-            )
-            if plain and turbo:
-                cells.append(
-                    f"{bits} bits {turbo['kl']:.4f} against KIVI's {plain['kl']:.4f}"
-                )
-        small = t.get(f"kivi:bits=2,residual=32,{TURBO}")
-        if small and m4:
-            cells.append(
-                f"2 bits with a 32-row residual {small['kl']:.4f} at "
-                f"{small['kv_mb']:.1f} MB ({small['kv_mb'] / m4['kv_mb']:.2f}x the "
-                f"bytes of mlx-lm's 4-bit cache, KL {m4['kl']:.4f})"
-            )
-        findings.append(
-            f"- `{source}`: rotated per-token keys, " + "; ".join(cells) + "."
-        )
+        findings += _rotation_findings(source, t)
     return lines + findings + [""]
+
+
+def _rotation_findings(source: str, t: dict) -> list[str]:
+    """What rotation did on one source, from the arms it ran."""
+
+    def kl(arm):
+        return t[arm]["kl"] if arm in t else None
+
+    m4 = t.get("mlx.quantized:kv_bits=4")
+    out = []
+    rot2, plain2 = kl("kivi:bits=2,kv_rotate=hadamard"), kl("kivi:bits=2")
+    if rot2 is not None and plain2 is not None and m4:
+        mb2 = t["kivi:bits=2,kv_rotate=hadamard"]["kv_mb"]
+        out.append(
+            f"- `{source}`: rotating KIVI's 2-bit rows takes KL from {plain2:.4f} "
+            f"to {rot2:.4f}, against mlx-lm's 4-bit cache's {m4['kl']:.4f} at "
+            f"{mb2 / m4['kv_mb']:.2f}x its bytes ({mb2:.1f} against "
+            f"{m4['kv_mb']:.1f} MB; its 128-159 newest rows stay float32)."
+        )
+    small = t.get("kivi:bits=2,kv_rotate=hadamard,residual=32")
+    if small and m4:
+        out.append(
+            f"- `{source}`: with a 32-row residual, rotated 2-bit KIVI has KL "
+            f"{small['kl']:.4f} at {small['kv_mb'] / m4['kv_mb']:.2f}x the 4-bit "
+            "cache's bytes."
+        )
+    tok, tok_rot = kl("kivi:bits=2,kv_keys=token"), kl(f"kivi:bits=2,{TURBO}")
+    if tok is not None and tok_rot is not None and plain2 is not None:
+        out.append(
+            f"- `{source}`: keys per token (mlx-lm's and TurboQuant's layout) need "
+            f"the rotation (2-bit KL {tok:.4f} to {tok_rot:.4f}) and still lose to "
+            f"KIVI's per-channel keys ({plain2:.4f} unrotated, "
+            f"{rot2:.4f} rotated)."
+        )
+    for bits in (3, 4):
+        turbo, plain = kl(f"kivi:bits={bits},{TURBO}"), kl(f"kivi:bits={bits}")
+        rot = kl(f"kivi:bits={bits},kv_rotate=hadamard")
+        if plain is not None and (turbo is not None or rot is not None):
+            got = [f"per-token rotated {turbo:.4f}"] if turbo is not None else []
+            got += [f"per-channel rotated {rot:.4f}"] if rot is not None else []
+            out.append(
+                f"- `{source}`: {bits} bits, KIVI {plain:.4f}; " + ", ".join(got) + "."
+            )
+    return out
