@@ -73,6 +73,36 @@ def later_rows() -> list[list[str]]:
     return rows
 
 
+def later_bullets() -> list[str]:
+    """compress="chunks" against "prompt_end" and rotated rows, once run."""
+    import results_markdown as rm
+
+    out = []
+    if (rm.RESULTS / "passkey_chunks_aware.json").exists():
+        pk = by_key(load("passkey_chunks_aware")["passkey"]["table"])
+        c, e = "snapkv:budget={},compress=chunks", "snapkv:budget={}"
+        out.append(
+            '- **Loss:** compressing during the prompt (`compress="chunks"`, '
+            "the peak bound) forgets what the question will need: with the "
+            f"question in the prompt SnapKV keeps {count(pk[c.format(512)])} "
+            f"needles at 512 rows against {count(pk[e.format(512)])} compressing "
+            f"at the prompt's end ({count(pk[c.format(256)])} against "
+            f'{count(pk[e.format(256)])} at 256), so `"prompt_end"` stays the '
+            "default."
+        )
+    if (rm.RESULTS / "eval_rotated_kl.json").exists():
+        t = by_key(load("eval_rotated_kl")["continuation"]["table"])
+        r2, k2 = t["kivi:bits=2,kv_rotate=hadamard"], t["kivi:bits=2"]
+        m4 = t["mlx.quantized:kv_bits=4"]
+        out.append(
+            '- TurboQuant\'s random rotation (`kv_rotate="hadamard"`) takes 2-bit '
+            f"KIVI's KL from {k2['kl']:.3f} to {r2['kl']:.3f}, under mlx-lm's "
+            f"4-bit cache ({m4['kl']:.3f}) at {r2['kv_mb'] / m4['kv_mb']:.2f}x its "
+            "bytes (one prose source)."
+        )
+    return out
+
+
 def headline() -> list[str]:
     pk = {
         (t["family"], t["budget"]): t for t in load("eval_passkey")["passkey"]["table"]
@@ -226,5 +256,6 @@ def headline() -> list[str]:
         "budgets 128-512, `knorm` (even with its measured default) and "
         "`expected_attention` keep at most 4 of 20 answers.",
     ]
+    bullets += later_bullets()
     wrapped = [textwrap.fill(b, 84, subsequent_indent="  ") for b in bullets]
     return [*table(head, rows), "", *wrapped]
