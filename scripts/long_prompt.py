@@ -119,16 +119,16 @@ def main():
 
     _, tok = veloxpatch.load()
     text = tok.decode(prose_tokens(tok, args.tokens - 40)) + QUESTION
-    table = []
+    out = {"run": run_info(), "config": vars(args) | {"out": str(args.out)}}
+    out["table"] = []
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(text)
         f.flush()
         every = arms(args)
         for name in args.arms.split(","):
-            table.append(run_arm(name, every[name], f.name, args))
-    out = {"run": run_info(), "config": vars(args) | {"out": str(args.out)}}
-    out["table"] = table
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+            out["table"].append(run_arm(name, every[name], f.name, args))
+            # after every arm: an interrupted run keeps what it measured
+            args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"results: {args.out}")
 
 
