@@ -271,7 +271,7 @@ def prompt_chunks() -> list[str]:
     if not all((rm.RESULTS / f"{n}.json").exists() for n in CHUNK_FILES):
         return []
     pk_aware, pk_agn, ppl_aware, ppl_agn = (load(n) for n in CHUNK_FILES)
-    fams = ["full"]
+    fams = []
     for f in CHUNK_FAMILIES:
         fams += [f, f"{f}:compress=chunks"]
     budgets = [256, 512]
@@ -281,15 +281,18 @@ def prompt_chunks() -> list[str]:
         '`compress="chunks"` (default chunk 512) cuts the cache back to its '
         "budget every 512 prompt tokens, scored with what has been read so far; "
         '`"prompt_end"` (the default) holds the whole prompt and compresses once '
-        "with the question's window. Same cases, same budgets; ~1,500-token "
-        "prompts, so the chunked mode cuts at most twice before the end. "
-        "Question-aware: the question inside the prompt; agnostic: the context "
-        "compressed on its own, the question (or the continuation) sent after.",
+        "with the question's window. Same cases, same budgets; passkey prompts "
+        f"of ~{pk_aware['config']['context']:,} tokens and continuation contexts "
+        f"of {ppl_aware['config']['context']:,}, so the chunked mode cuts two or "
+        "three times before the end. Question-aware: the question inside the "
+        "prompt; agnostic: the context compressed on its own, the question (or "
+        "the continuation) sent after.",
         "",
     ]
     for title, res in (("question in the prompt", pk_aware), ("asked after", pk_agn)):
+        full = _families(table_of(res, "passkey"))["full"][None]
         lines += [
-            f"Passkey, {title} (Wilson 95% intervals):",
+            f"Passkey, {title} (Wilson 95% intervals; `full` {wilson(full)}):",
             "",
             meta(res["config"]["out"].split("/")[-1][:-5], res),
             "",
