@@ -3,6 +3,8 @@ evicting quantized rows costs, and decode speed against mlx-lm's 4-bit cache."""
 
 from __future__ import annotations
 
+import statistics
+
 import results_markdown as rm
 from results_markdown import command, load, meta, table
 
@@ -303,7 +305,56 @@ def rotated() -> list[str]:
             "",
         ]
         findings += _rotation_findings(source, t)
-    return lines + findings + [""]
+    return lines + findings + [""] + _rotated_speed()
+
+
+def _rotated_speed() -> list[str]:
+    """Decode speed of rotated rows against the same widths unrotated."""
+    name = "bench_rotated_decode"
+    if not (rm.RESULTS / f"{name}.json").exists():
+        return []
+    res = load(name)
+    raw = res["raw"]
+    arms = list(dict.fromkeys(r["arm"] for r in raw if r["arm"] != "unpatched"))
+    body = []
+    for arm in arms:
+        if "kv_rotate=hadamard" not in arm:
+            continue
+        plain = arm.replace(",kv_rotate=hadamard", "")
+        pairs = [
+            (r["decode_tok_per_s"], p["decode_tok_per_s"])
+            for r in raw
+            if r["arm"] == arm
+            for p in raw
+            if p["arm"] == plain and p["repeat"] == r["repeat"]
+        ]
+        ratios = sorted(a / b for a, b in pairs)
+        body.append(
+            [
+                f"`{arm}`",
+                f"{statistics.median(a for a, _ in pairs):.2f}",
+                f"{statistics.median(b for _, b in pairs):.2f}",
+                f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}, {ratios[-1]:.2f}]",
+            ]
+        )
+    cfg = res["config"]
+    return [
+        "Decode speed (`veloxpatch bench`, "
+        f"{cfg['contexts']}-token context, {cfg['decode_tokens']} tokens, "
+        f"{cfg['repeats']} interleaved repeats; median and range of the per-repeat "
+        "ratios):",
+        "",
+        meta(name, res),
+        "",
+        *table(["arm", "tok/s rotated", "tok/s unrotated", "ratio"], body),
+        "",
+        *command(
+            "veloxpatch bench",
+            cfg,
+            ["arms", "contexts", "repeats", "decode_tokens", "out"],
+        ),
+        "",
+    ]
 
 
 def _rotation_findings(source: str, t: dict) -> list[str]:
