@@ -70,6 +70,21 @@ def later_rows() -> list[list[str]]:
                     f"{u['kv_peak_bytes'] / 1e6:.1f} MB",
                 ]
             )
+    if (rm.RESULTS / "long_prompt.json").exists():
+        lp = load("long_prompt")
+        got = {r["arm"]: r for r in lp["table"]}
+        if "snapkv_chunks" in got and "unpatched" in got:
+            c, u = got["snapkv_chunks"], got["unpatched"]
+            rows.append(
+                [
+                    f"`veloxpatch generate` on a {c['prompt_tokens']:,}-token prompt "
+                    "(twice the model's context): peak above the weights",
+                    f"`--algo snapkv --max-kv-bytes {lp['config']['max_kv_bytes']}`, "
+                    f"chunks of {lp['config']['chunk']}: "
+                    f"{c['peak_bytes'] / 1e6:.0f} MB ({c['prefill_tok_s']:.0f} tok/s)",
+                    f"{u['peak_bytes'] / 1e6:.0f} MB ({u['prefill_tok_s']:.0f} tok/s)",
+                ]
+            )
     return rows
 
 
