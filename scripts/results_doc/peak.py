@@ -262,6 +262,7 @@ def long_prompt() -> list[str]:
             body,
         ),
         "",
+        *_missing_arms(cfg, rows),
         *command(
             f"{PY} scripts/long_prompt.py",
             cfg,
@@ -269,3 +270,12 @@ def long_prompt() -> list[str]:
         ),
         "",
     ]
+
+
+def _missing_arms(cfg: dict, rows: list[dict]) -> list[str]:
+    """The arms the command named that the file has no row for."""
+    missing = [a for a in cfg["arms"].split(",") if a not in {r["arm"] for r in rows}]
+    if not missing:
+        return []
+    names = ", ".join(f"`{a}`" for a in missing)
+    return [f"Not measured: {names} (the run ended before it finished).", ""]
