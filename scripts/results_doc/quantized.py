@@ -11,6 +11,7 @@ from results_markdown import command, load, meta, table
 from .eval_runs import PPL_KEYS, RENAME, ppl_rows
 
 PY = ".venv/bin/python"
+BENCH_KEYS = ["arms", "contexts", "repeats", "decode_tokens", "out"]
 
 
 def quantizer_grid() -> list[str]:
@@ -211,11 +212,7 @@ def decode_on_kernels() -> list[str]:
         "",
         *table(head, body),
         "",
-        *command(
-            "veloxpatch bench",
-            cfg,
-            ["arms", "contexts", "repeats", "decode_tokens", "out"],
-        ),
+        *command("veloxpatch bench", cfg, BENCH_KEYS),
         "",
         "The targets of issue 18, on a quiet machine:",
         "",
@@ -348,11 +345,7 @@ def _rotated_speed() -> list[str]:
         "",
         *table(["arm", "tok/s rotated", "tok/s unrotated", "ratio"], body),
         "",
-        *command(
-            "veloxpatch bench",
-            cfg,
-            ["arms", "contexts", "repeats", "decode_tokens", "out"],
-        ),
+        *command("veloxpatch bench", cfg, BENCH_KEYS),
         "",
     ]
 
