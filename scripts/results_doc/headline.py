@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import textwrap
 
+import results_markdown as rm
 from results_markdown import CODEBOOK, by_key, count, load, table
 
 from .kvzip_defaults import DEFAULT, NEW_256
@@ -17,8 +18,6 @@ OURS = ["snapkv", "pyramidkv", "adakv", "h2o", "tova", "keyformer", "streaming_l
 
 def later_rows() -> list[list[str]]:
     """Rows from the chat, peak-memory and rotated-rows runs, once they exist."""
-    import results_markdown as rm
-
     rows = []
     if (rm.RESULTS / "bench_chat.json").exists():
         chat = by_key(load("bench_chat")["table"])
@@ -90,20 +89,14 @@ def later_rows() -> list[list[str]]:
 
 def later_bullets() -> list[str]:
     """compress="chunks" against "prompt_end" and rotated rows, once run."""
-    import results_markdown as rm
-
     out = []
     if (rm.RESULTS / "passkey_chunks_aware.json").exists():
         pk = by_key(load("passkey_chunks_aware")["passkey"]["table"])
-        c, e = "snapkv:budget={},compress=chunks", "snapkv:budget={}"
+        c, e = "snapkv:budget=512,compress=chunks", "snapkv:budget=512"
         out.append(
-            '- **Loss:** compressing during the prompt (`compress="chunks"`, '
-            "the peak bound) forgets what the question will need: with the "
-            f"question in the prompt SnapKV keeps {count(pk[c.format(512)])} "
-            f"needles at 512 rows against {count(pk[e.format(512)])} compressing "
-            f"at the prompt's end ({count(pk[c.format(256)])} against "
-            f'{count(pk[e.format(256)])} at 256), so `"prompt_end"` stays the '
-            "default."
+            '- **Loss:** `compress="chunks"` (the peak bound) keeps '
+            f"{count(pk[c])} in-prompt needles at 512 rows against {count(pk[e])} "
+            "at the prompt's end: not the default."
         )
     if (rm.RESULTS / "eval_rotated_kl.json").exists():
         parts = []
@@ -113,15 +106,10 @@ def later_bullets() -> list[str]:
             t = by_key(load(name)["continuation"]["table"])
             r2, k2 = t["kivi:bits=2,kv_rotate=hadamard"], t["kivi:bits=2"]
             m4 = t["mlx.quantized:kv_bits=4"]
-            parts.append(
-                f"{k2['kl']:.3f} to {r2['kl']:.3f} against mlx-lm's 4-bit cache's "
-                f"{m4['kl']:.3f}"
-            )
+            parts.append(f"{k2['kl']:.3f} to {r2['kl']:.3f} (4-bit {m4['kl']:.3f})")
         out.append(
-            '- TurboQuant\'s random rotation (`kv_rotate="hadamard"`) takes 2-bit '
-            f"KIVI's KL from {' and from '.join(parts)} (two prose sources), at "
-            f"{r2['kv_mb'] / m4['kv_mb']:.2f}x that cache's bytes: about its "
-            "quality, not yet at fewer bytes."
+            f'- `kv_rotate="hadamard"`: 2-bit KIVI KL {" and ".join(parts)}, at '
+            f"{r2['kv_mb'] / m4['kv_mb']:.2f}x the 4-bit cache's bytes."
         )
     return out
 
@@ -135,7 +123,6 @@ def headline() -> list[str]:
     m4 = pk[("mlx.quantized:kv_bits=4", None)]
     q = by_key(load("eval_kivi_a2ats_ppl")["continuation"]["table"])
     k4, mq4 = q["kivi:bits=4"], q["mlx.quantized:kv_bits=4"]
-    s, s4 = q["snapkv:budget=512"], q["snapkv:budget=512,kv_bits=4"]
     speed = by_key(load("bench_decode")["table"])
     quiet = by_key(load("bench_decode_a2ats_kivi_quiet")["table"])
     book = f"a2ats:codebook={CODEBOOK}"
@@ -219,12 +206,6 @@ def headline() -> list[str]:
             "KL(full ‖ arm) of 256 tokens after 2,000, 4-bit KV",
             f"`kivi:bits=4` {k4['kl']:.4f} ({k4['kv_mb']:.1f} MB)",
             f"4-bit `QuantizedKVCache` {mq4['kl']:.4f} ({mq4['kv_mb']:.1f} MB)",
-        ],
-        [
-            "same, SnapKV 512 rows with and without `kv_bits=4`",
-            f"{s4['kl']:.4f} at {s4['kv_mb']:.1f} MB; {s['kl']:.4f} at "
-            f"{s['kv_mb']:.1f} MB",
-            "",
         ],
         [
             "decode tok/s at 4,000 tokens, vs unpatched mlx-lm",
