@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import greedy  # noqa: E402
 from test_contract import CHUNKED, CONTRACT, HEAD_DIM, QUANTIZED, has_option  # noqa: E402
-from tiny import prompt_tokens, tiny_model  # noqa: E402
+from tiny import prompt_tokens, resolve_options, tiny_model  # noqa: E402
 
 import veloxpatch  # noqa: E402
 from veloxpatch.caches.base import PAD_POSITION, VeloxCache  # noqa: E402
@@ -138,6 +138,16 @@ def refusals(group) -> dict:
     except VeloxpatchError as e:
         out["sharded_after_apply"] = str(e)
     patch.restore()
+    # kvzap's scorer file is fitted to the whole model
+    whole = tiny_model("llama", head_dim=HEAD_DIM)
+    opts = resolve_options(whole, CONTRACT["kvzap"])
+    split = tiny_model("llama", head_dim=HEAD_DIM)
+    split.shard(group)
+    try:
+        veloxpatch.apply(split, "kvzap", **opts)
+        out["kvzap"] = None
+    except VeloxpatchError as e:
+        out["kvzap"] = str(e)
     return out
 
 
@@ -166,6 +176,8 @@ def main(out_dir: str) -> None:
         for name, algo, opts in variants():
             if split == "pipeline" and name == "kvzip":
                 continue  # one threshold over all layers: refused (kvzip.py)
+            if algo == "kvzap":
+                continue  # its scorer file describes the whole model: refused
             start = time.perf_counter()
             try:
                 got = compare(

@@ -14,7 +14,7 @@ from helpers import greedy
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from test_contract import HEAD_DIM, variants
-from tiny import ARCHS, CONFIGS, prompt_tokens, tiny_model
+from tiny import ARCHS, CONFIGS, prompt_tokens, resolve_options, tiny_model
 
 import veloxpatch
 from veloxpatch.caches.snapkv import SnapKVCache
@@ -130,6 +130,7 @@ def test_each_sequence_of_a_batch_gets_what_it_gets_alone(arch, algo):
 @pytest.mark.parametrize("algo,opts", variants())
 def test_every_algorithm_batches(algo, opts):
     model = tiny_model("llama", head_dim=HEAD_DIM)
+    opts = resolve_options(model, opts)
     with veloxpatch.patched(model, algo, **opts) as patch:
         got = run_batch(model, return_prompt_caches=True)
         check_alone(model, patch, got.token_ids, got.caches)

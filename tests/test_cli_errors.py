@@ -78,7 +78,7 @@ BEFORE_LOAD = [
     ),
     (f"{CAL} --tokens 0", "--tokens must be at least 1, got 0"),
     (f"{CAL} --seed -1", "--seed must be at least 0, got -1"),
-    (f"{CAL} --algo snapkv", "calibration exists for qfilters and a2ats only"),
+    (f"{CAL} --algo snapkv", "calibration exists for qfilters, a2ats, kvzap only"),
     (
         f"{CAL} --algo a2ats --codebook-size 0",
         "--codebook-size must be at least 1, got 0",

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from helpers import greedy, max_abs
 from oracle import oracle_logits, run_patched
-from tiny import prompt_tokens, tiny_model
+from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
 
 import veloxpatch
 from veloxpatch.api import algorithm
@@ -41,6 +41,7 @@ CONTRACT = {
     "a2ats": dict(window=8, sinks=2, top=1.0),
     "kivi": dict(bits=8, residual=4),
     "kvzip": dict(budget=12, sinks=2, window=4),
+    "kvzap": dict(budget=12, sinks=2, window=4, chunk=8, scorer=SCORER),
 }
 QUANTIZED = dict(kv_bits=8, kv_residual=4)
 CHUNKED = dict(compress="chunks", chunk=8)
@@ -60,6 +61,15 @@ ROTATED = [
             kv_keys="token",
         ),
         "snapkv-kv2-token-rot",
+    ),
+]
+# kvzap's other mode: drop what scores under 0 (about half), capped by a budget
+THRESHOLD = [
+    ("kvzap", dict(CONTRACT["kvzap"], threshold=0.0, budget=16), "kvzap-threshold"),
+    (
+        "kvzap",
+        dict(CONTRACT["kvzap"], threshold=0.0, budget=16, **QUANTIZED),
+        "kvzap-threshold-kv8",
     ),
 ]
 NOT_EVICTING = {"full", "a2ats", "kivi"}
@@ -83,7 +93,8 @@ def variants():
         if has_option(algo, "compress"):  # cut every 8 prompt tokens, mid-call too
             chunked = {**opts, **CHUNKED}
             out.append(pytest.param(algo, chunked, id=f"{algo}-chunks"))
-    return out + [pytest.param(algo, opts, id=name) for algo, opts, name in ROTATED]
+    more = ROTATED + THRESHOLD
+    return out + [pytest.param(algo, opts, id=name) for algo, opts, name in more]
 
 
 def quantized(algo, opts):
@@ -108,6 +119,7 @@ def logprobs(x):
 def skip_if_refused(model, algo, opts):
     """An algorithm may refuse an architecture (A2ATS: YaRN ropes), with one
     clear line before anything is patched; then there is nothing else to check."""
+    opts = resolve_options(model, opts)
     try:
         veloxpatch.apply(model, algo, **opts).restore()
     except UnsupportedModelError as e:
@@ -127,6 +139,7 @@ def test_masked_dense_oracle(arch, algo, opts):
     model = tiny_model(arch, head_dim=HEAD_DIM)
     skip_if_refused(model, algo, opts)
     tokens = prompt_tokens(N).tolist()
+    opts = resolve_options(model, opts)
     patched, masks, caches = run_patched(model, tokens, CHUNKS, algo, **opts)
     dense = oracle_logits(model, tokens, masks)
     err = mx.abs(logprobs(patched) - logprobs(dense)).max().item()
@@ -145,6 +158,7 @@ def test_masked_dense_oracle(arch, algo, opts):
 def test_save_load_then_generation_continues(tmp_path, algo, opts):
     model = tiny_model("qwen3", head_dim=HEAD_DIM)
     prompt = prompt_tokens(40)
+    opts = resolve_options(model, opts)
     with veloxpatch.patched(model, algo=algo, **opts) as patch:
         caches = patch.make_cache()
         greedy(model, prompt, n=6, prompt_cache=caches)  # prompt ended, decoding
@@ -168,6 +182,7 @@ def full_bytes(caches, model):
 @pytest.mark.parametrize("algo,opts", variants())
 def test_bytes_stay_bounded_over_a_long_decode(algo, opts):
     model = tiny_model("llama", head_dim=HEAD_DIM, num_hidden_layers=1)
+    opts = resolve_options(model, opts)
     with veloxpatch.patched(model, algo=algo, **opts) as patch:
         caches = patch.make_cache()
         y = prompt_tokens(24)[None]
@@ -194,7 +209,7 @@ def test_every_option_rejects_bad_values_clearly_and_changes_nothing(algo):
     model = tiny_model("llama", head_dim=HEAD_DIM)
     module = importlib.import_module(type(model.layers[0].self_attn).__module__)
     original = module.Attention.__dict__["__call__"]
-    base = CONTRACT[algo]
+    base = resolve_options(model, CONTRACT[algo])
     for field in dataclasses.fields(algorithm(algo).Options):
         for value in BAD_VALUES:
             with pytest.raises(VeloxpatchError) as err:
@@ -212,6 +227,7 @@ def test_restore_by_identity(algo, opts):
     module = importlib.import_module(type(model.layers[0].self_attn).__module__)
     original = module.Attention.__dict__["__call__"]
     before = dict(veloxpatch_params(model))
+    opts = resolve_options(model, opts)
     with veloxpatch.patched(model, algo=algo, **opts) as patch:
         greedy(model, prompt_tokens(20), n=4, prompt_cache=patch.make_cache())
     assert module.Attention.__dict__["__call__"] is original

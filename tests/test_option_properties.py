@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_contract import CONTRACT, HEAD_DIM
-from tiny import prompt_tokens, tiny_model
+from tiny import prompt_tokens, resolve_options, tiny_model
 
 import veloxpatch
 from veloxpatch.api import algorithm
@@ -60,7 +60,7 @@ def test_any_option_value_is_refused_clearly_or_gives_finite_output(algo, data):
         return
     name = data.draw(st.sampled_from(fields(algo)), label="option")
     value = data.draw(VALUES, label="value")
-    options = {**CONTRACT[algo], name: value}
+    options = {**resolve_options(MODEL, CONTRACT[algo]), name: value}
     try:
         logits = run_short(MODEL, algo, options)
     except VeloxpatchError as e:

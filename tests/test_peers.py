@@ -119,8 +119,9 @@ def test_no_peer_for_adakv_or_full_and_patched_models_refused():
         with pytest.raises(PatchStateError):
             mlx_caches(model, "unpatched", {})
     budgeted = {a for a in veloxpatch.algos() if takes_budget(a)}
-    # adakv: another algorithm of the same name there; expected_attention: none
-    assert set(PEER_ALGOS) == budgeted - {"adakv", "expected_attention", "kvzip"}
+    # adakv: another algorithm of the same name there; the others: none
+    none = {"adakv", "expected_attention", "kvzip", "kvzap"}
+    assert set(PEER_ALGOS) == budgeted - none
 
 
 # --- veloxquant-mlx (optional) ---------------------------------------------------

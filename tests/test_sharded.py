@@ -92,8 +92,10 @@ def test_every_rank_keeps_what_the_whole_model_keeps(ranks):
     expected = set()
     for algo in veloxpatch.algos():
         expected |= {f"tensor/{algo}", f"pipeline/{algo}"}
-    # kvzip's one threshold over all layers is refused on pipeline stages
+    # kvzip's one threshold over all layers is refused on pipeline stages;
+    # kvzap's scorer file on any split (test_kvzap_refuses_a_split_model)
     expected = (expected - {"pipeline/kvzip"}) | {"pipeline/kvzip-layerwise"}
+    expected -= {"tensor/kvzap", "pipeline/kvzap"}
     failures = []
     for result in ranks:
         assert result["size"] == RANKS
@@ -116,6 +118,13 @@ def test_heads_that_do_not_divide_are_refused_before_the_first_forward(ranks):
         message = result["refusals"]["uneven"]
         assert message is not None, "apply accepted heads split unevenly"
         assert "6 query heads and 3 KV heads do not divide by 2" in message
+        assert "\n" not in message
+
+
+def test_kvzap_refuses_a_split_model(ranks):
+    for result in ranks:
+        message = result["refusals"]["kvzap"]
+        assert message is not None and "sharded model" in message
         assert "\n" not in message
 
 

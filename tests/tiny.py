@@ -125,3 +125,48 @@ def tiny_model(arch: str, seed: int = 0, dtype=mx.float32, **overrides) -> nn.Mo
 def prompt_tokens(n: int, seed: int = 1) -> mx.array:
     mx.random.seed(seed)
     return mx.random.randint(0, VOCAB, (n,))
+
+
+# kvzap needs a scorer file fitted to its model: contract options name this
+# placeholder, and `resolve_options` writes a seeded random linear surrogate for
+# the model at hand (structure, not quality: test_kvzap.py calibrates for real).
+SCORER = "<tiny kvzap scorer>"
+_SCORERS = None  # the directory, removed when the test process exits
+
+
+def resolve_options(model, options: dict) -> dict:
+    """`options` with the placeholder scorer replaced by a file for `model`."""
+    if options.get("scorer") != SCORER:
+        return options
+    return {**options, "scorer": str(tiny_scorer(model))}
+
+
+def tiny_scorer(model, seed: int = 0):
+    """A seeded random linear kvzap scorer for `model`, written once per model
+    fingerprint: scores about N(0, 1), so threshold 0 drops about half."""
+    import hashlib
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from veloxpatch.calibration_files import fingerprint, save_scorer
+
+    global _SCORERS
+    if _SCORERS is None:
+        _SCORERS = tempfile.TemporaryDirectory(prefix="veloxpatch-scorers-")
+    key = json.dumps(fingerprint(model), sort_keys=True) + str(seed)
+    path = Path(_SCORERS.name) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.st"
+    if not path.exists():
+        args = model.args
+        attn = model.layers[0].self_attn
+        mx.random.seed(seed)
+        layers = [
+            {
+                "w1": mx.random.normal((args.hidden_size, attn.n_kv_heads))
+                / args.hidden_size**0.5,
+                "b1": mx.zeros((attn.n_kv_heads,)),
+            }
+            for _ in model.layers
+        ]
+        save_scorer(path, layers, model, "linear")
+    return path

@@ -56,9 +56,12 @@ def patched_forward(site, wrapped, attn, args, kwargs, owner=None):
     query_scale = None
     if target.query_scale is not None:
         query_scale = target.query_scale(attn, L, cache.offset, call)
-    if getattr(cache, "wants_layer_input", False):  # KVzip+: ||x|| and W_o
+    # the hidden state entering attention: KVzip+ weighs by ||x|| and W_o,
+    # kvzap scores from x, a probe may watch it (cleared once attended)
+    if cache.wants_layer_input or getattr(cache, "probe", None) is not None:
         cache.layer_input = (x, attn.o_proj)
     out = cache.attend(
         q, k, v, rope=attn.rope, scale=attn.scale, query_scale=query_scale
     )
+    cache.layer_input = None
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))

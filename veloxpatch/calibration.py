@@ -54,13 +54,13 @@ def query_filters(queries: mx.array) -> mx.array:
     return v1
 
 
-ALGOS = ("qfilters", "a2ats")
+ALGOS = ("qfilters", "a2ats", "kvzap")
 
 
 def check_algo(algo: str) -> None:
     if algo not in ALGOS:
         raise CalibrationError(
-            f"calibration exists for {' and '.join(ALGOS)} only, not {algo!r}"
+            f"calibration exists for {', '.join(ALGOS)} only, not {algo!r}"
         )
 
 
@@ -77,16 +77,28 @@ def calibrate(
     tick=None,
     codebook_size=4096,
     far_position=2048,
+    kind="linear",
 ):
     """Calibrate `algo` on `tokens` tokens of calibration prose (the half never
     used for evaluation, or a file), written to `out` with the model's
     fingerprint when given. qfilters: per layer [Hq, D] query-head filters and
-    the queries; a2ats: per layer codebooks and the captured (keys, queries)."""
+    the queries; a2ats: per layer codebooks and the captured (keys, queries);
+    kvzap: per layer surrogates of `kind` and their held-out report."""
     from .eval.text import prose_tokens
 
     check_algo(algo)
     ids = prose_tokens(tokenizer, tokens, text)
     info = {"tokens": tokens, "text": str(text), "seed": seed}
+    if algo == "kvzap":
+        from .calibration_files import save_scorer
+        from .kvzap_scorer import calibrate_scorer
+
+        layers, report = calibrate_scorer(
+            model, tokenizer, ids, kind, seed=seed, tick=tick
+        )
+        if out is not None:
+            save_scorer(out, layers, model, kind, info | report)
+        return layers, report
     if algo == "a2ats":
         from .calibration_files import save_codebook
         from .codebook import calibrate_codebook

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
+
 from model_adapters import adapter_for
 from model_adapters.base import fingerprint
 
 from . import calibration_format
 from .calibration_format import (
     CODEBOOK_FORMAT,
+    KVZAP_FORMAT,
     QFILTERS_FORMAT,
     group_mean,
     with_norms,
@@ -34,8 +37,10 @@ __all__ = [
     "fingerprint",
     "load_codebook",
     "load_filters",
+    "load_scorer",
     "save_codebook",
     "save_filters",
+    "save_scorer",
     "with_norms",
 ]
 
@@ -76,6 +81,27 @@ def save_codebook(path, books: list, model, far_position: int, info=None):
     }
     far = str(far_position)
     _write(path, arrays, model, CODEBOOK_FORMAT, "a2ats", info, far_position=far)
+
+
+def save_scorer(path, layers: list, model, kind: str, info=None):
+    """Write per-layer kvzap surrogates ({w1, b1[, w2, b2]}, None for
+    sliding-window layers) of `kind` ("linear" or "mlp") with the model's
+    fingerprint."""
+    arrays = {
+        f"layer.{i}.{k}": v.astype(mx.float32)
+        for i, w in enumerate(layers)
+        if w is not None
+        for k, v in w.items()
+    }
+    _write(path, arrays, model, KVZAP_FORMAT, "kvzap", info, kind=kind)
+
+
+def load_scorer(path, model, dims=None) -> list:
+    """kvzap surrogates of `path` checked against `model`."""
+    from .caches.kvzap import hidden_size
+
+    dims = dims or adapter_for(model).dims(model)
+    return calibration_format.load_scorer(path, dims, hidden_size(model))
 
 
 def load_filters(path, model, dims=None) -> list:

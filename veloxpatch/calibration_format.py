@@ -24,6 +24,8 @@ from .errors import CalibrationError
 
 QFILTERS_FORMAT = "veloxpatch-qfilters/1"
 CODEBOOK_FORMAT = "veloxpatch-a2ats/1"
+KVZAP_FORMAT = "veloxpatch-kvzap/1"
+SCORER_KINDS = ("linear", "mlp")
 RIDGE = 1e-3  # A2ATS: H is regularised by RIDGE x I (relative to trace D)
 
 
@@ -39,7 +41,7 @@ def _patched_layers(dims) -> list[int]:
     return [i for i, sliding in enumerate(dims.sliding) if not sliding]
 
 
-def read_checked(path, dims, fmt: str, what: str):
+def read_checked(path, dims, fmt: str, what: str, instead="run without the file"):
     """(arrays, metadata, our fingerprint) of a calibration file, after checking
     that it exists, is readable and intact, has format `fmt` and matches the
     model of `dims` (its fingerprint)."""
@@ -47,7 +49,7 @@ def read_checked(path, dims, fmt: str, what: str):
         # the fingerprint and the per-head arrays describe the whole model
         raise CalibrationError(
             f"{what} files cannot be used on a sharded model (model.shard or "
-            "pipeline) yet; run without the file"
+            f"pipeline) yet; {instead}"
         )
     arrays, meta = load_checked(path, CalibrationError, what)
     if meta.get("format") != fmt:
@@ -186,4 +188,50 @@ def _book_fault(book: dict, kv_heads: int, head_dim: int) -> str | None:
         return "centroids and transformed centroids disagree"
     if c.shape[1] > 1 and not (np.abs(c - c[:, :1]).max(axis=(1, 2)) > 0).all():
         return "centroids all coincide"
+    return None
+
+
+def load_scorer(path, dims, hidden: int | None = None) -> list:
+    """Per layer kvzap surrogates {w1, b1[, w2, b2]} (float32; None for
+    sliding-window layers) from `path`, checked against the model of `dims`:
+    every layer maps the same input width (`hidden`, where the model says it)
+    to one score per KV head, with finite weights."""
+    arrays, meta, ours = read_checked(
+        path, dims, KVZAP_FORMAT, "kvzap scorer", "run kvzap on the whole model"
+    )
+    kind = meta.get("kind")
+    if kind not in SCORER_KINDS:
+        raise CalibrationError(f"{path}: damaged, surrogate kind {kind!r}")
+    names = ("w1", "b1", "w2", "b2") if kind == "mlp" else ("w1", "b1")
+    layers = [None] * ours["layers"]
+    widths = set()
+    for i in _patched_layers(dims):
+        w = {k: arrays.get(f"layer.{i}.{k}") for k in names}
+        if any(v is None for v in w.values()):
+            raise CalibrationError(f"{path}: damaged, layer {i} surrogate missing")
+        why = _scorer_fault(w, ours["kv_heads"])
+        if why:
+            raise CalibrationError(f"{path}: damaged, layer {i} surrogate {why}")
+        widths.add(w["w1"].shape[0])
+        layers[i] = {k: v.astype(mx.float32) for k, v in w.items()}
+    if len(widths) > 1 or (hidden is not None and widths != {hidden}):
+        raise CalibrationError(
+            f"{path}: surrogates read hidden states of width {sorted(widths)}, "
+            f"the model's is {hidden}"
+        )
+    return layers
+
+
+def _scorer_fault(w: dict, kv_heads: int) -> str | None:
+    """Why `w` is not a surrogate of `kv_heads` outputs, or None."""
+    shapes = {k: tuple(v.shape) for k, v in w.items()}
+    d, h1 = shapes["w1"] if len(shapes["w1"]) == 2 else (0, 0)
+    out = shapes["w2"][1] if "w2" in w and len(shapes["w2"]) == 2 else h1
+    want = {"w1": (d, h1), "b1": (h1,)}
+    if "w2" in w:
+        want.update(w2=(h1, kv_heads), b2=(kv_heads,))
+    if d < 1 or h1 < 1 or out != kv_heads or shapes != want:
+        return f"has shapes {shapes}"
+    if not all(bool(mx.isfinite(v).all().item()) for v in w.values()):
+        return "is not finite"
     return None

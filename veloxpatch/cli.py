@@ -160,12 +160,16 @@ def generate(
     if last is not None:
         bought = getattr(patch.options, "budget", None) if max_kv_bytes else None
         label = algo if bought is None else f"{algo}, budget {bought} rows"
+        # kvzap's threshold: how much the text let it keep
+        kept = [c.kept_fraction() for c in caches if hasattr(c, "kept_fraction")]
+        ratio = f" | kept {sum(kept) / len(kept):.1%} of pairs" if kept else ""
         click.echo(
             f"[{label}] prompt {last.prompt_tokens} tok | generated "
             f"{last.generation_tokens} tok | prefill {last.prompt_tps:.1f} tok/s | "
             f"decode {last.generation_tps:.1f} tok/s | KV held {kv_bytes(caches):,} B"
             f" | full KV {full_kv_bytes(caches):,} B | peak "
-            f"{max(0, mx.get_peak_memory() - before):,} B (chunk {prefill_step})",
+            f"{max(0, mx.get_peak_memory() - before):,} B (chunk {prefill_step})"
+            f"{ratio}",
             err=True,
         )
 

@@ -48,9 +48,19 @@ SUFFIX = ".safetensors"  # mx.save_safetensors appends it to a name without it
 @click.option(
     "--far-position", type=int, default=2048, show_default=True, help="a2ats: b"
 )
+@click.option(
+    "--kind",
+    type=click.Choice(["linear", "mlp"]),
+    default="linear",
+    show_default=True,
+    help="kvzap: ridge regression or a 2-layer MLP per layer",
+)
 @user_errors
-def calibrate(model, algo, out, force, tokens, text, seed, codebook_size, far_position):
-    """Calibrate ALGO (qfilters, a2ats) on the model's own queries; save to OUT."""
+def calibrate(
+    model, algo, out, force, tokens, text, seed, codebook_size, far_position, kind
+):
+    """Calibrate ALGO (qfilters, a2ats, kvzap) on the model's own queries or
+    KVzip+ scores; save to OUT."""
     import mlx.core as mx
 
     from . import calibration, models
@@ -72,6 +82,13 @@ def calibrate(model, algo, out, force, tokens, text, seed, codebook_size, far_po
     else:
         ctx = click.get_current_context()
         refuse_unread(ctx, ("codebook_size", "far_position"), f"for a2ats, not {algo}")
+    if algo != "kvzap":
+        refuse_unread(click.get_current_context(), ("kind",), f"for kvzap, not {algo}")
+    elif tokens < 256:
+        raise UserError(
+            f"--tokens must be at least 256 for kvzap (two segments of text, one "
+            f"held out), got {tokens:,}"
+        )
     refuse_existing(force, out=out)
     loaded, tokenizer = models.load(model)
     check_length(prose_length(tokenizer, text), tokens, text)  # before any work
@@ -89,7 +106,17 @@ def calibrate(model, algo, out, force, tokens, text, seed, codebook_size, far_po
             tick=bar.update,
             codebook_size=codebook_size,
             far_position=far_position,
+            kind=kind,
         )
+    if algo == "kvzap":
+        click.echo(
+            f"wrote {out}: {kind} surrogates of {queries['segments']} segments of "
+            f"{queries['segment_tokens']} tokens ({queries['held_out_segments']} "
+            f"held out: mean R^2 {queries['mean_r2']:.3f}, rank correlation "
+            f"{queries['mean_spearman']:.3f}); scoring {queries['scoring_seconds']} s, "
+            f"fit {queries['fit_seconds']} s"
+        )
+        return
     # sliding-window layers keep mlx-lm's cache: nothing calibrated there
     pairs = [(q, f) for q, f in zip(queries, per_head) if f is not None]
     if algo == "a2ats":

@@ -10,6 +10,7 @@ from .h2o import H2OCache
 from .keyformer import KeyformerCache
 from .kivi import KIVICache
 from .knorm import KNormCache
+from .kvzap import KVzapCache
 from .kvzip import KVzipCache
 from .pyramidkv import PyramidKVCache
 from .qfilters import QFiltersCache

@@ -43,6 +43,7 @@ class Seen:
     rope: Any
     scale: float
     query_scale: Any  # None, or Ministral 3's per-position attn_scale
+    x: Any = None  # [B, L, hidden] the hidden state entering attention
 
 
 # An mlx-lm cache by its methods alone: mlx-lm duck-types caches (no base class).
@@ -116,6 +117,8 @@ class VeloxCache(RowStorage):
         self.phase_ends = 0  # prompt ends this cache has acted on
         self.scale = None  # the softmax scale of the layer, known after a call
         self.probe = None  # fn(Seen), called on every attention call
+        self.layer_input = None  # (x, o_proj) during a call (attention.py)
+        self.call_offset = 0  # the offset the call began at
         self.flags_checked = False  # mlx-lm's kv_bits looked for (attention.py)
         self.shards = LOCAL  # the model's split across processes (sharding.py)
 
@@ -131,6 +134,7 @@ class VeloxCache(RowStorage):
         if L > 1 and self.rows and k.shape[0] != self.keys.shape[0]:
             raise PatchStateError("batch size changed while the cache holds tokens")
         offset = self.offset
+        self.call_offset = offset  # where the call's layer input starts
         self.phase.begin_call(self.layer, offset, L)
         self.scale = scale
         self.sync_phase()
@@ -163,8 +167,11 @@ class VeloxCache(RowStorage):
         q_pre, k_pre = q, k
         q, k = self.rotate(q, k, rope, offset, query_scale)
         if self.probe is not None:
+            x = self.layer_input
+            if x is not None:  # this piece's rows of the call's input
+                x = x[0][:, offset - self.call_offset : offset - self.call_offset + L]
             seen = Seen(
-                self.layer, offset, q_pre, k_pre, v, q, k, rope, scale, query_scale
+                self.layer, offset, q_pre, k_pre, v, q, k, rope, scale, query_scale, x
             )
             self.probe(seen)
         keys, values = self._append(k, v, offset)

@@ -87,12 +87,14 @@ class BatchCache:
     `VeloxCache`): `layer`, `name`, `flags_checked`, `shards`, `offset`, `attend`."""
 
     batch = True
+    wants_layer_input = False  # handed (x, o_proj) before attend (attention.py)
 
     def __init__(self, template):
         self.layer = template.layer
         self.name = template.name
         self.flags_checked = template.flags_checked
         self._shards = template.shards
+        self.layer_input = None
 
     def update_and_fetch(self, keys, values):
         template = type(self).__name__
@@ -130,6 +132,10 @@ class SequenceBatch(BatchCache):
         self._skip = None  # left padding of the next call, per sequence
 
     @property
+    def wants_layer_input(self) -> bool:
+        return any(c.wants_layer_input for c in self.caches)
+
+    @property
     def shards(self):
         return self._shards
 
@@ -163,6 +169,9 @@ class SequenceBatch(BatchCache):
                 qs = qs[b : b + 1, :, part]  # per sequence, from the array offset
             elif isinstance(qs, mx.array) and qs.ndim == 2:
                 qs = qs[part]
+            if self.layer_input is not None:
+                x, o_proj = self.layer_input
+                c.layer_input = (x[b : b + 1, part], o_proj)
             o = c.attend(
                 q[b : b + 1, :, part],
                 k[b : b + 1, :, part],

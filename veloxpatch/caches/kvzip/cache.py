@@ -170,7 +170,6 @@ class KVzipCache(EvictingCache):
         self.context_rows = None  # rows kept by the compression, per head max
         self.context_end = None  # positions below it are the compressed context
         self.compressed_ends = -1  # the prompt end the compression served
-        self.layer_input = None  # (x, o_proj) of the call, for KVzip+
         self.wo_gram = None  # [Hq, D, D] W_o^T W_o per query head, for KVzip+
         self.decode_queries = None  # last `window` decode queries [B, Hq, n, D]
         self.decode_rows = None  # rows kept at each decode recompression

@@ -28,8 +28,8 @@ def compress_together(caches: list) -> None:
         s = c.shards.all_heads(c.row_scores())  # [B, H, T] every head
         pos = c.shards.all_heads(c.positions_view())
         s = mx.where(pos < o.sinks, mx.inf, s)
-        if o.recent:  # the context's newest rows, where a continuation starts
-            s = mx.where(pos >= c.offset - o.recent, mx.inf, s)
+        if o.recent_rows():  # the newest rows (kvzip: where a continuation starts)
+            s = mx.where(pos >= c.offset - o.recent_rows(), mx.inf, s)
         floor = min(s.shape[-1], math.ceil(o.floor * o.budget))
         if floor:
             kth = mx.sort(s, axis=-1)[..., -floor][..., None]

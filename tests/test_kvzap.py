@@ -1,0 +1,243 @@
+"""kvzap: the surrogate's forward and fits against numpy, the scorer file's
+checks, scores taken from the hidden state as each row enters, and what each
+mode keeps (the contract test runs both modes through everything else)."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import VOCAB, prompt_tokens, tiny_model, tiny_scorer
+
+import veloxpatch
+from veloxpatch.caches.kvzap import surrogate_scores
+from veloxpatch.calibration_files import load_scorer, save_scorer
+from veloxpatch.checked_io import save_checked
+from veloxpatch.errors import CalibrationError, OptionError
+from veloxpatch.kvzap_scorer import (
+    calibrate_scorer,
+    fit_mlp,
+    fit_quality,
+    fit_ridge,
+    held_out,
+    segments_of,
+)
+from veloxpatch.probe import run_probe
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for kvzip's repeat instruction on a tiny model."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [b % VOCAB for b in text.encode()]
+
+
+def gelu(x):
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def test_surrogate_forward_matches_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 12)).astype(np.float32)
+    lin = {"w1": rng.normal(size=(12, 3)), "b1": rng.normal(size=3)}
+    mlp = {**lin, "w1": rng.normal(size=(12, 7)), "b1": rng.normal(size=7)}
+    mlp.update(w2=rng.normal(size=(7, 3)), b2=rng.normal(size=3))
+    for w, ref in (
+        (lin, x @ lin["w1"] + lin["b1"]),
+        (mlp, gelu(x @ mlp["w1"] + mlp["b1"]) @ mlp["w2"] + mlp["b2"]),
+    ):
+        got = surrogate_scores(
+            {k: mx.array(v, mx.float32) for k, v in w.items()}, mx.array(x)
+        )
+        assert got.shape == (2, 3, 5)
+        np.testing.assert_allclose(
+            np.array(got), ref.transpose(0, 2, 1), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_ridge_fit_equals_least_squares_of_the_augmented_system():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(200, 10)) + 3.0
+    Y = X @ rng.normal(size=(10, 2)) + rng.normal(size=(200, 2)) + 1.5
+    w = fit_ridge(X, Y, ridge=0.05)
+    Xc, Yc = X - X.mean(0), Y - Y.mean(0)
+    lam = 0.05 * np.trace(Xc.T @ Xc) / 10
+    A = np.vstack([Xc, math.sqrt(lam) * np.eye(10)])
+    B = np.vstack([Yc, np.zeros((10, 2))])
+    ref = np.linalg.lstsq(A, B, rcond=None)[0]
+    np.testing.assert_allclose(w["w1"], ref, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(w["b1"], Y.mean(0) - X.mean(0) @ ref, atol=1e-10)
+
+
+def test_mlp_fit_learns_what_a_line_cannot():
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(2000, 8)).astype(np.float32)
+    Y = np.stack([np.abs(X[:, 0]), X[:, 1] ** 2], axis=1)  # no linear part
+    train, test = slice(0, 1600), slice(1600, None)
+    mlp = fit_mlp(X[train], Y[train], hidden=32, epochs=40, lr=1e-2, batch=128)
+    lin = fit_ridge(X[train], Y[train])
+
+    def r2(w):
+        from veloxpatch.kvzap_scorer import predict
+
+        return fit_quality(predict(w, X[test]), Y[test])["r2"]
+
+    assert r2(lin) < 0.1 and r2(mlp) > 0.8
+
+
+def test_segments_and_held_out_split():
+    assert segments_of(600, 1024) == [(0, 300), (300, 600)]
+    assert len(segments_of(5000, 1024)) == 4
+    assert held_out(2) == [False, True]
+    assert held_out(10) == [False] * 4 + [True] + [False] * 4 + [True]
+
+
+# ---- the scorer file ---------------------------------------------------------------
+def test_a_scorer_file_for_another_model_or_damaged_is_refused(tmp_path):
+    model = tiny_model("llama")
+    path = tiny_scorer(model)
+    assert len(load_scorer(path, model)) == len(model.layers)
+    other = tiny_model("llama", seed=3)
+    with pytest.raises(CalibrationError, match="another model"):
+        veloxpatch.apply(other, "kvzap", scorer=str(path))
+    assert veloxpatch.api.patch_of(other) is None
+    broken = tmp_path / "broken.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    broken.write_bytes(bytes(data))
+    with pytest.raises(CalibrationError, match="damaged|checksum"):
+        veloxpatch.apply(model, "kvzap", scorer=str(broken))
+    # written damaged (a consistent checksum): a layer's weights of the wrong width
+    layers = load_scorer(path, model)
+    layers[1] = {"w1": mx.zeros((5, 2)), "b1": mx.zeros((2,))}
+    wrong = tmp_path / "wrong.safetensors"
+    save_scorer(wrong, layers, model, "linear")
+    with pytest.raises(CalibrationError, match="width"):
+        veloxpatch.apply(model, "kvzap", scorer=str(wrong))
+    layers[1] = {"w1": mx.full((64, 2), mx.nan), "b1": mx.zeros((2,))}
+    save_scorer(wrong, layers, model, "linear")
+    with pytest.raises(CalibrationError, match="not finite"):
+        veloxpatch.apply(model, "kvzap", scorer=str(wrong))
+    meta = {"format": "veloxpatch-qfilters/1"}
+    save_checked(tmp_path / "q.safetensors", {"a": mx.zeros(2)}, meta, CalibrationError)
+    with pytest.raises(CalibrationError, match="not a veloxpatch kvzap scorer"):
+        veloxpatch.apply(model, "kvzap", scorer=str(tmp_path / "q.safetensors"))
+    with pytest.raises(OptionError, match="scorer=FILE"):
+        veloxpatch.apply(model, "kvzap")
+    assert veloxpatch.api.patch_of(model) is None
+
+
+# ---- scores as rows enter ----------------------------------------------------------
+def entry_scores(model, ids):
+    """Per layer [Hkv, N] the surrogate applied to the hidden state each token
+    brought into the layer (an unpatched-model probe)."""
+    scorer = load_scorer(tiny_scorer(model), model)
+    xs = {}
+
+    def keep(seen):
+        xs.setdefault(seen.layer, []).append(seen.x)
+
+    run_probe(model, ids, keep, chunk=7)
+    return [
+        np.array(surrogate_scores(scorer[i], mx.concatenate(xs[i], axis=1))[0])
+        for i in range(len(model.layers))
+    ]
+
+
+def prefill(model, ids, caches, chunk=9):
+    for a in range(0, len(ids), chunk):
+        mx.eval(model(mx.array(ids[a : a + chunk])[None], cache=caches))
+
+
+def test_a_rows_score_is_its_hidden_states_and_never_depends_on_later_tokens():
+    model = tiny_model("qwen3")
+    ids = prompt_tokens(40).tolist()
+    other = ids[:25] + prompt_tokens(15, seed=9).tolist()
+    ref = entry_scores(model, ids)
+    scorer = str(tiny_scorer(model))
+    with veloxpatch.patched(model, "kvzap", scorer=scorer, budget=100) as patch:
+        a, b = patch.make_cache(), patch.make_cache()
+        prefill(model, ids, a)
+        prefill(model, other, b)
+    for i, (ca, cb) in enumerate(zip(a, b)):
+        za, zb = np.array(ca.row_scores()[0]), np.array(cb.row_scores()[0])
+        np.testing.assert_allclose(za, ref[i], rtol=1e-5, atol=1e-5)
+        assert np.array_equal(za[:, :25], zb[:, :25])
+
+
+def test_threshold_mode_keeps_exactly_the_sinks_the_window_and_what_scores_over():
+    model = tiny_model("llama")
+    ids = prompt_tokens(50).tolist()
+    scorer = load_scorer(tiny_scorer(model), model)
+    opts = dict(scorer=str(tiny_scorer(model)), threshold=0.0, sinks=2, window=5)
+    xs = {}  # what entered each layer (after eviction in the layers below)
+
+    def keep(seen):
+        xs.setdefault(seen.layer, []).append(seen.x)
+
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        caches = patch.make_cache(probe=keep)
+        prefill(model, ids, caches)
+    ref = [
+        np.array(surrogate_scores(scorer[i], mx.concatenate(xs[i], axis=1))[0])
+        for i in range(len(caches))
+    ]
+    compared = 0
+    for c, s in zip(caches, ref):
+        pos = np.array(c.positions_view()[0])
+        for h in range(s.shape[0]):
+            held = set(pos[h][pos[h] < 2**31 - 1].tolist())
+            for p in range(50):
+                if abs(s[h, p]) < 1e-4:
+                    continue  # a near-tie with the threshold: float noise decides
+                want = p < 2 or p >= 45 or s[h, p] >= 0.0
+                assert (p in held) == want, (c.layer, h, p, s[h, p])
+                compared += 1
+        dropped = 1 - c.kept_fraction()
+        assert 0.2 < dropped < 0.8  # a random scorer: about half is under 0
+    assert compared > 250
+
+
+def test_budget_mode_holds_share_plus_chunk_and_shares_the_model_budget():
+    model = tiny_model("llama", num_hidden_layers=4)
+    opts = dict(scorer=str(tiny_scorer(model)), budget=12, sinks=2, window=3, chunk=8)
+    worst = {}
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        caches = patch.make_cache()
+        for c in caches:  # rows held after every piece of every call
+            real = c._attend_piece
+
+            def watched(*args, c=c, real=real):
+                out = real(*args)
+                allowed = c.row_budget() + 8
+                worst[c.layer] = max(worst.get(c.layer, 0), c.rows - allowed)
+                return out
+
+            c._attend_piece = watched
+        prefill(model, prompt_tokens(60).tolist(), caches, chunk=21)
+        shares = [c.share for c in caches]
+        model(mx.array([[3]]), cache=caches)  # the prompt ends
+    assert max(worst.values()) <= 0
+    assert sum(shares) <= 12 * 4 and len(set(shares)) > 1  # one choice, uneven
+    assert all(c.rows <= c.share for c in caches)  # chosen again at the end
+
+
+def test_calibration_on_a_tiny_model_writes_a_file_the_cache_loads(tmp_path):
+    model = tiny_model("llama")
+    ids = prompt_tokens(400).tolist()
+    layers, info = calibrate_scorer(model, ByteTokenizer(), ids, "linear", segment=100)
+    assert info["segments"] == 4 and info["held_out_segments"] == 1
+    assert len(info["held_out"]) == len(model.layers)
+    assert all(-10 < r["r2"] <= 1 for r in info["held_out"])
+    path = tmp_path / "s.safetensors"
+    save_scorer(path, layers, model, "linear", info)
+    opts = dict(scorer=str(path), budget=8, sinks=2, window=2)
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        caches = patch.make_cache()
+        prefill(model, ids[:40], caches)
+    assert veloxpatch.api.patch_of(model) is None
+    with veloxpatch.patched(model, "full"):
+        with pytest.raises(CalibrationError, match="restore"):
+            calibrate_scorer(model, ByteTokenizer(), ids, "linear")

@@ -1,0 +1,280 @@
+"""`kvzap` (Jegou et al., 2026): every pair is scored as it enters the cache by a
+small surrogate of its layer, which maps the hidden state entering attention to
+the predicted log KVzip+ score of the token's pair in each KV head. The
+surrogates are fitted on the model's own KVzip+ scores of calibration text
+(`veloxpatch calibrate --algo kvzap`, given here as `scorer=FILE`), so kvzap
+needs neither the context's token ids nor kvzip's second pass: it compresses
+inside every forward, prompt chunks and decode alike, at the cost of one small
+matmul per layer and call.
+
+Two modes, as kvpress:
+- `threshold=T` (DMS-style): a row whose score is under T is dropped once it
+  leaves the `window` newest rows (sinks always kept); how much is kept then
+  follows the text (`kept_fraction()`; the CLI prints it). `budget` or
+  `max_kv_bytes` may cap it on top.
+- `budget=N` (default 256): the best scores kept under one threshold over every
+  (layer, KV head) of the model, as kvzip chooses (`kvzip/choice.py`: sinks and
+  the window always, each head's best `floor` x budget first), at the end of
+  every prompt call once every layer has seen it; in between each layer is cut
+  to its share every `chunk` prompt tokens, so at most its share + chunk rows
+  are ever held. While decoding each layer keeps its share plus `window` rows,
+  cut back every `window` tokens. `layerwise=True`: each layer keeps `budget`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..calibration_format import load_scorer
+from ..errors import OptionError, PatchStateError
+from .base import PAD_POSITION
+from .eviction import PLACEHOLDER_BUDGET, EvictingCache, EvictionOptions
+from .kvzip.choice import compress_together
+from .options import check_int, check_number, check_path
+from .storage import padded_to
+
+DEFAULT_BUDGET = 256
+
+
+def surrogate_scores(weights: dict, x: mx.array) -> mx.array:
+    """[B, Hkv, L] predicted log KVzip+ scores of the L tokens whose attention
+    input is x [B, L, hidden]: x w1 + b1 (linear), or GELU(x w1 + b1) w2 + b2
+    (a 2-layer MLP), in float32."""
+    y = x.astype(mx.float32) @ weights["w1"] + weights["b1"]
+    if "w2" in weights:
+        y = nn.gelu(y) @ weights["w2"] + weights["b2"]
+    return y.transpose(0, 2, 1)
+
+
+@dataclasses.dataclass
+class KVzapOptions(EvictionOptions):
+    """`scorer`: the calibration file (required). `threshold`: drop rows scoring
+    under it (None: keep the best `budget`). `budget`: mean rows per layer and
+    KV head (default 256 without a threshold; with one, a cap if given).
+    `window`: newest rows always kept. `chunk`: prompt tokens between cuts
+    within a call. `floor`: fraction of the budget each head keeps at least.
+    `layerwise`: every layer keeps `budget` instead of one model-wide choice."""
+
+    budget: int | None = None
+    scorer: str | None = None
+    threshold: float | None = None
+    window: int = 32
+    chunk: int = 512
+    floor: float = 0.5
+    layerwise: bool = False
+
+    def recent_rows(self):
+        return self.window
+
+    def decode_extra_rows(self):
+        return self.window  # decode rows held until the next cut
+
+    def prompt_chunk(self):
+        return self.chunk
+
+    def row_side_bytes(self):
+        return 4  # each row's float32 score
+
+    @property
+    def capped(self) -> bool:
+        return self.budget < PLACEHOLDER_BUDGET
+
+    def __post_init__(self):
+        if self.scorer is None:
+            raise OptionError(
+                "kvzap needs scorer=FILE, its surrogates fitted to this model "
+                "(veloxpatch calibrate --algo kvzap --out FILE)"
+            )
+        check_path("scorer", self.scorer)
+        if self.threshold is not None:
+            check_number("threshold", self.threshold, -1e6, 1e6)
+        if self.budget is None:
+            self.budget = (
+                DEFAULT_BUDGET if self.threshold is None else PLACEHOLDER_BUDGET
+            )
+        check_int("window", self.window, 0)
+        check_int("chunk", self.chunk, 1)
+        check_number("floor", self.floor, 0, 1)
+        if not isinstance(self.layerwise, bool):
+            raise OptionError(
+                f"layerwise must be true or false, got {self.layerwise!r}"
+            )
+        if self.head_budget != "uniform":
+            raise OptionError(
+                "kvzap shares rows among heads by its model-wide choice; "
+                "head_budget is not one of its options"
+            )
+        super().__post_init__()
+        self.loaded = None  # per layer {w1, b1[, w2, b2]}, once bound to a model
+
+    def bind(self, model, dims):
+        """Load and check the scorer file against `model` (before patching)."""
+        self.loaded = load_scorer(self.scorer, dims, hidden_size(model))
+        return super().bind(model, dims)
+
+
+def hidden_size(model) -> int | None:
+    """The width of the hidden state entering attention, where the model says."""
+    args = getattr(model, "args", None)
+    size = getattr(args, "hidden_size", None)
+    return size if isinstance(size, int) else None
+
+
+class KVzapCache(EvictingCache):
+    name = "kvzap"
+    batchable = True  # one cache per sequence (caches/batch.py)
+    summary = "surrogate of KVzip+ scores from the hidden state, inside every forward"
+    note = (
+        "scorer=FILE from veloxpatch calibrate --algo kvzap (fitted on this "
+        "model's own KVzip+ scores); threshold=T keeps what scores over T, so "
+        "compression follows the text; budget=N keeps the best N per layer and "
+        "KV head on average, chosen over the whole model."
+    )
+    Options = KVzapOptions
+    wants_layer_input = True  # the hidden state entering attention scores
+    row_arrays = ("zscore",)
+
+    def __init__(self, options=None, layer=0, num_layers=1):
+        super().__init__(options, layer, num_layers)
+        self.zscore = None  # [B, Hkv, rows] each row's predicted log score
+        self.scorer = None  # this layer's surrogate {w1, b1[, w2, b2]}
+        if self.options.loaded is not None:
+            self.scorer = self.options.loaded[layer]
+        self.pending = None  # [B, Hkv, n] scores of the call's rows not yet held
+        self.share = None  # rows this layer keeps (budget mode, the global choice)
+        self.unjudged = 0  # newest rows no cut has looked at yet
+        self.entered = 0  # pairs that entered, per head (the kept fraction)
+
+    # ---- scoring as rows enter -------------------------------------------------
+    def attend(self, q, k, v, *, rope, scale, query_scale=None):
+        if self.scorer is None:
+            raise PatchStateError(
+                "kvzap: no scorer loaded for this cache (options made without "
+                "veloxpatch.apply, or a cache saved without its scorer)"
+            )
+        if self.layer_input is None:
+            raise PatchStateError(
+                "kvzap scores from the hidden state entering attention; this call "
+                "did not come through a patched attention layer"
+            )
+        self.pending = surrogate_scores(self.scorer, self.layer_input[0])
+        return super().attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
+
+    def after_attend(self, q, new_rows):
+        new, self.pending = self.pending[..., :new_rows], self.pending[..., new_rows:]
+        held = self.rows - new_rows
+        old = (
+            padded_to(self.zscore, held)[..., :held]
+            if self.zscore is not None
+            else None
+        )
+        self.zscore = new if old is None else mx.concatenate([old, new], axis=-1)
+        self.entered += new_rows
+        self.unjudged += new_rows
+        if self.options.threshold is not None:
+            if self.in_prompt or self.unjudged >= max(1, self.options.window):
+                self.drop_below()
+        elif self.in_prompt:
+            if self.is_last_member() and self.pending.shape[-1] == 0:
+                self.choose_together()
+        elif self.cut_after_window(
+            self.row_budget(), self.row_budget(), self.row_scores
+        ):
+            self.unjudged = 0
+
+    # ---- threshold mode ----------------------------------------------------------
+    def drop_below(self) -> None:
+        """Drop every row under the threshold that is neither a sink nor among
+        the `window` newest (a budget, if given, caps each head on top)."""
+        self.unjudged = 0
+        pos = self.positions_view()
+        s = self.row_scores()
+        keep = (s >= self.options.threshold) | self.protected_mask(pos)
+        keep = keep & (pos != PAD_POSITION)
+        counts = keep.sum(-1).astype(mx.int32)  # [B, Hkv]
+        if self.options.capped:
+            counts = mx.minimum(counts, self.row_budget())
+        most = int(counts.max().item())
+        if most == self.rows and bool((counts == most).all().item()):
+            return  # nothing to drop
+        self.evict_to(most, s, counts)
+
+    # ---- budget mode ---------------------------------------------------------------
+    def row_budget(self) -> int:
+        return self.options.budget if self.share is None else self.share
+
+    def row_bound(self) -> int:
+        if self.options.threshold is not None and not self.options.capped:
+            return max(self.rows, 1)
+        return self.row_budget() + self.options.window
+
+    def chunk_done(self) -> None:
+        # (threshold mode: every piece was judged as it was held, after_attend)
+        if self.options.threshold is None and self.rows > self.row_budget():
+            self.evict_to(self.row_budget(), self.row_scores())
+
+    def next_cut(self, start, end):
+        if self.options.threshold is None:
+            return super().next_cut(start, end)
+        cut = -(-(start + 1) // self.options.chunk) * self.options.chunk
+        return cut if cut < end else None
+
+    def end_prompt(self):
+        if self.options.threshold is None and self.rows > self.row_budget():
+            self.evict_to(self.row_budget(), self.row_scores())
+
+    def members(self) -> list:
+        refs = getattr(self.phase, "members", None) or []
+        caches = [r() for r in refs]
+        return [c for c in caches if isinstance(c, KVzapCache)] or [self]
+
+    def is_last_member(self) -> bool:
+        return self.members()[-1] is self
+
+    def choose_together(self) -> None:
+        """Every layer has seen the call: one choice over the whole model."""
+        members = self.members()
+        if any(c.rows > c.row_budget() for c in members):
+            compress_together([c for c in members if c.zscore is not None])
+
+    # what kvzip's model-wide choice (`compress_together`) asks of a cache
+    def raise_tail_scores(self) -> None:
+        pass
+
+    def row_scores(self) -> mx.array:
+        """[B, Hkv, rows] every row's predicted score."""
+        return padded_to(self.zscore, self.rows)[..., : self.rows]
+
+    def keep_counted(self, scores: mx.array, n_keep: int) -> None:
+        self.evict_to(n_keep, scores)
+        self.share = n_keep
+
+    # ---- what the kept fraction and a saved cache need -----------------------------
+    def kept_fraction(self) -> float:
+        """Rows held over pairs that entered, mean over heads (1.0 before any)."""
+        if not self.entered or self.positions is None:
+            return 1.0 if not self.entered else self.rows / self.entered
+        held = (self.positions_view() != PAD_POSITION).sum(-1).astype(mx.float32)
+        return held.mean().item() / self.entered
+
+    def extra_state(self):
+        named = {f"scorer_{k}": v for k, v in (self.scorer or {}).items()}
+        return super().extra_state() | named
+
+    def load_extra_state(self, st):
+        super().load_extra_state(st)
+        scorer = {
+            k[len("scorer_") :]: v for k, v in st.items() if k.startswith("scorer_")
+        }
+        self.scorer = scorer or None
+
+    def extra_meta(self):
+        return {"share": self.share, "entered": self.entered, "unjudged": self.unjudged}
+
+    def load_extra_meta(self, m):
+        self.share = m.get("share")
+        self.entered = int(m.get("entered", 0))
+        self.unjudged = int(m.get("unjudged", 0))

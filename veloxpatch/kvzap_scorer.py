@@ -1,0 +1,239 @@
+"""kvzap's calibration: the model's own KVzip+ scores of calibration text, and
+the per-layer surrogates fitted to them (KVzap, Jegou et al. 2026).
+
+The text is cut into segments (about 1,000 tokens, as KVzap's training texts,
+so softmax denominators stay comparable). Each segment is prefilled into
+`kvzip` caches with `plus=True`, the hidden state entering each layer's
+attention kept (through the probe seam) at a seeded sample of positions past
+the sinks, then kvzip's reconstruction pass scores every pair; the target of a
+position is log(KVzip+ score) in each KV head. Per layer the surrogate is
+fitted by ridge regression in closed form (`linear`) or as a 2-layer GELU MLP
+trained with mlx (`mlp`). Every fifth segment (or the last, with fewer than
+five) is held out: R^2 and the rank correlation of predicted against true
+scores on it are reported and stored with the file.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import CalibrationError
+
+SEGMENT = 1024  # tokens per calibration text
+PER_SEGMENT = 256  # positions sampled per segment
+SINKS = 4  # positions never sampled: kvzap keeps its sinks anyway
+LOG_FLOOR = 1e-12  # scores that underflow to 0 are clipped before the log
+RIDGE = 1e-3  # ridge strength relative to the mean eigenvalue of X^T X
+MLP_HIDDEN = 128
+MLP_EPOCHS = 15
+MLP_LR = 5e-3
+MLP_BATCH = 512
+
+
+def segments_of(n_tokens: int, segment: int = SEGMENT) -> list[tuple[int, int]]:
+    """(start, end) of at least two segments of about `segment` tokens."""
+    count = max(2, n_tokens // segment)
+    size = n_tokens // count
+    return [(i * size, (i + 1) * size) for i in range(count)]
+
+
+def held_out(count: int) -> list[bool]:
+    """Which of `count` segments are held out: every fifth, or the last."""
+    if count < 5:
+        return [i == count - 1 for i in range(count)]
+    return [i % 5 == 4 for i in range(count)]
+
+
+# ---- scores and hidden states --------------------------------------------------
+def collect(
+    model,
+    tokenizer,
+    ids,
+    *,
+    segment=SEGMENT,
+    per_segment=PER_SEGMENT,
+    seed=0,
+    chunk=512,
+    tick=None,
+):
+    """Per segment (X, Y): per layer X [n, hidden] hidden states entering
+    attention and Y [n, Hkv] log KVzip+ scores at n sampled positions (None
+    for sliding-window layers)."""
+    from . import api
+    from .caches.kvzip import KVzipCache
+    from .probe import rows_at
+
+    if api.patch_of(model) is not None:
+        raise CalibrationError("kvzap calibration patches the model itself; restore it")
+    rng = np.random.default_rng(seed)
+    out = []
+    with api.patched(model, "kvzip", plus=True, budget=SINKS + 1) as patch:
+        for a, b in segments_of(len(ids), segment):
+            seg = list(ids[a:b])
+            n = min(per_segment, len(seg) - SINKS)
+            wanted = np.sort(rng.choice(np.arange(SINKS, len(seg)), n, replace=False))
+            xs: dict[int, list] = {}
+            watching = [True]
+
+            def keep(seen, wanted=wanted, xs=xs, watching=watching):
+                if not watching[0] or seen.x is None:
+                    return
+                idx = rows_at(wanted, seen)
+                if idx is not None:
+                    piece = seen.x[0][idx].astype(mx.float32)
+                    mx.eval(piece)
+                    xs.setdefault(seen.layer, []).append(piece)
+
+            caches = patch.make_cache(probe=keep)
+            for c in range(0, len(seg), chunk):
+                mx.eval(model(mx.array(seg[c : c + chunk])[None], cache=caches))
+            watching[0] = False
+            KVzipCache.finish_context(model, caches, seg, tokenizer)
+            X, Y = [], []
+            for i, cache in enumerate(caches):
+                if not isinstance(cache, KVzipCache):
+                    X.append(None)
+                    Y.append(None)
+                    continue
+                z = cache.row_scores()[0][:, mx.array(wanted)]  # [Hkv, n]
+                X.append(np.array(mx.concatenate(xs[i], axis=0)))
+                Y.append(np.log(np.maximum(np.array(z.T), LOG_FLOOR)))
+            out.append((X, Y))
+            if tick is not None:
+                tick(b - a)
+    return out
+
+
+# ---- fits ------------------------------------------------------------------------
+def fit_ridge(X: np.ndarray, Y: np.ndarray, ridge: float = RIDGE) -> dict:
+    """{w1 [D, H], b1 [H]} minimising |Y - X w1 - b1|^2 + lam |w1|^2, with lam
+    = ridge x trace(Xc^T Xc) / D (Xc centred), in closed form (float64)."""
+    X, Y = X.astype(np.float64), Y.astype(np.float64)
+    mx_, my = X.mean(0), Y.mean(0)
+    Xc, Yc = X - mx_, Y - my
+    gram = Xc.T @ Xc
+    lam = ridge * np.trace(gram) / gram.shape[0]
+    w = np.linalg.solve(gram + lam * np.eye(gram.shape[0]), Xc.T @ Yc)
+    return {"w1": w, "b1": my - mx_ @ w}
+
+
+def fit_mlp(
+    X: np.ndarray,
+    Y: np.ndarray,
+    *,
+    hidden=MLP_HIDDEN,
+    epochs=MLP_EPOCHS,
+    lr=MLP_LR,
+    batch=MLP_BATCH,
+    seed=0,
+) -> dict:
+    """{w1, b1, w2, b2}: GELU(X w1 + b1) w2 + b2 trained with Adam on the
+    mean squared error, `epochs` passes over shuffled batches."""
+    import mlx.optimizers as optim
+
+    from .caches.kvzap import surrogate_scores
+
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    d, h = X.shape[1], Y.shape[1]
+    bound1, bound2 = 1 / math.sqrt(d), 1 / math.sqrt(hidden)
+    params = {
+        "w1": mx.random.uniform(-bound1, bound1, (d, hidden)),
+        "b1": mx.zeros((hidden,)),
+        "w2": mx.random.uniform(-bound2, bound2, (hidden, h)),
+        "b2": mx.array(Y.mean(0), mx.float32),  # start at the mean score
+    }
+    Xa, Ya = mx.array(X, mx.float32), mx.array(Y, mx.float32)
+
+    def loss(p, x, y):
+        return ((surrogate_scores(p, x[None])[0].T - y) ** 2).mean()
+
+    step = mx.value_and_grad(loss)
+    opt = optim.Adam(learning_rate=lr)
+    for _ in range(epochs):
+        order = rng.permutation(len(X))
+        for a in range(0, len(X), batch):
+            idx = mx.array(order[a : a + batch])
+            _, grads = step(params, Xa[idx], Ya[idx])
+            params = opt.apply_gradients(grads, params)
+            mx.eval(params, opt.state)
+    return {k: np.array(v) for k, v in params.items()}
+
+
+def predict(weights: dict, X: np.ndarray) -> np.ndarray:
+    """[n, H] the surrogate's scores of X [n, D] (the cache's own forward)."""
+    from .caches.kvzap import surrogate_scores
+
+    w = {k: mx.array(v, mx.float32) for k, v in weights.items()}
+    return np.array(surrogate_scores(w, mx.array(X, mx.float32)[None])[0].T)
+
+
+def fit_quality(pred: np.ndarray, Y: np.ndarray) -> dict:
+    """R^2 over every (position, head) and Spearman's rank correlation per
+    head, averaged over heads."""
+    sst = ((Y - Y.mean(0)) ** 2).sum()
+    r2 = 1 - ((Y - pred) ** 2).sum() / sst if sst > 0 else 0.0
+    rho = [_spearman(pred[:, h], Y[:, h]) for h in range(Y.shape[1])]
+    return {"r2": round(float(r2), 4), "spearman": round(float(np.mean(rho)), 4)}
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    if ra.std() == 0 or rb.std() == 0:
+        return 0.0
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+# ---- the whole job -----------------------------------------------------------------
+def calibrate_scorer(
+    model, tokenizer, ids, kind="linear", *, seed=0, tick=None, segment=SEGMENT
+):
+    """(per layer surrogate weights as mlx arrays, None for sliding-window
+    layers; report) from KVzip+ scores of `ids`, fitted on the segments not
+    held out, judged on those held out."""
+    if kind not in ("linear", "mlp"):
+        raise CalibrationError(f"kvzap surrogates are linear or mlp, not {kind!r}")
+    start = time.perf_counter()
+    data = collect(model, tokenizer, ids, segment=segment, seed=seed, tick=tick)
+    scored = time.perf_counter() - start
+    mask = held_out(len(data))
+    layers, report = [], []
+    for i in range(len(data[0][0])):
+        if data[0][0][i] is None:
+            layers.append(None)
+            report.append(None)
+            continue
+        train = [d for d, out in zip(data, mask) if not out]
+        test = [d for d, out in zip(data, mask) if out]
+        X = np.concatenate([d[0][i] for d in train])
+        Y = np.concatenate([d[1][i] for d in train])
+        if kind == "linear":
+            w = fit_ridge(X, Y)
+        else:
+            w = fit_mlp(X, Y, seed=seed)
+        Xt = np.concatenate([d[0][i] for d in test])
+        Yt = np.concatenate([d[1][i] for d in test])
+        report.append({"layer": i, **fit_quality(predict(w, Xt), Yt)})
+        layers.append({k: mx.array(v, mx.float32) for k, v in w.items()})
+    quality = [r for r in report if r is not None]
+    info = {
+        "kind": kind,
+        "segments": len(data),
+        "segment_tokens": segments_of(len(ids), segment)[0][1],
+        "held_out_segments": int(sum(mask)),
+        "samples_per_segment": int(
+            data[0][1][
+                next(i for i, y in enumerate(data[0][1]) if y is not None)
+            ].shape[0]
+        ),
+        "held_out": quality,
+        "mean_r2": round(float(np.mean([r["r2"] for r in quality])), 4),
+        "mean_spearman": round(float(np.mean([r["spearman"] for r in quality])), 4),
+        "scoring_seconds": round(scored, 1),
+        "fit_seconds": round(time.perf_counter() - start - scored, 1),
+    }
+    return layers, info
