@@ -241,3 +241,18 @@ def test_calibration_on_a_tiny_model_writes_a_file_the_cache_loads(tmp_path):
     with veloxpatch.patched(model, "full"):
         with pytest.raises(CalibrationError, match="restore"):
             calibrate_scorer(model, ByteTokenizer(), ids, "linear")
+
+
+def test_ridge_strength_follows_the_noise():
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(300, 20))
+    clean = X @ rng.normal(size=(20, 1))
+    noise = rng.normal(size=(300, 1))
+    weak = np.abs(fit_ridge(X, noise)["w1"]).max()  # nothing to learn: shrunk
+    strong = fit_ridge(X, clean + 0.01 * noise)
+    assert weak < 0.1
+    np.testing.assert_allclose(predict_linear(strong, X), clean, atol=0.05)
+
+
+def predict_linear(w, X):
+    return X @ w["w1"] + w["b1"]

@@ -7,7 +7,8 @@ so softmax denominators stay comparable). Each segment is prefilled into
 attention kept (through the probe seam) at a seeded sample of positions past
 the sinks, then kvzip's reconstruction pass scores every pair; the target of a
 position is log(KVzip+ score) in each KV head. Per layer the surrogate is
-fitted by ridge regression in closed form (`linear`) or as a 2-layer GELU MLP
+fitted by ridge regression in closed form, its strength chosen by generalised
+cross-validation (`linear`), or as a 2-layer GELU MLP
 trained with mlx (`mlp`). Every fifth segment (or the last, with fewer than
 five) is held out: R^2 and the rank correlation of predicted against true
 scores on it are reported and stored with the file.
@@ -24,10 +25,10 @@ import numpy as np
 from .errors import CalibrationError
 
 SEGMENT = 1024  # tokens per calibration text
-PER_SEGMENT = 256  # positions sampled per segment
+PER_SEGMENT = 512  # positions sampled per segment
 SINKS = 4  # positions never sampled: kvzap keeps its sinks anyway
 LOG_FLOOR = 1e-12  # scores that underflow to 0 are clipped before the log
-RIDGE = 1e-3  # ridge strength relative to the mean eigenvalue of X^T X
+RIDGES = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)  # relative strengths
 MLP_HIDDEN = 128
 MLP_EPOCHS = 15
 MLP_LR = 5e-3
@@ -109,16 +110,30 @@ def collect(
 
 
 # ---- fits ------------------------------------------------------------------------
-def fit_ridge(X: np.ndarray, Y: np.ndarray, ridge: float = RIDGE) -> dict:
-    """{w1 [D, H], b1 [H]} minimising |Y - X w1 - b1|^2 + lam |w1|^2, with lam
-    = ridge x trace(Xc^T Xc) / D (Xc centred), in closed form (float64)."""
+def fit_ridge(X: np.ndarray, Y: np.ndarray, ridge: float | None = None) -> dict:
+    """{w1 [D, H], b1 [H]} minimising |Y - X w1 - b1|^2 + lam |w1|^2 in closed
+    form (float64, Xc = X centred). lam = ridge x trace(Xc^T Xc) / D; with
+    `ridge` None it is chosen from RIDGES by generalised cross-validation, which
+    needs no split of the data (Golub, Heath and Wahba, 1979)."""
     X, Y = X.astype(np.float64), Y.astype(np.float64)
-    mx_, my = X.mean(0), Y.mean(0)
-    Xc, Yc = X - mx_, Y - my
-    gram = Xc.T @ Xc
-    lam = ridge * np.trace(gram) / gram.shape[0]
-    w = np.linalg.solve(gram + lam * np.eye(gram.shape[0]), Xc.T @ Yc)
-    return {"w1": w, "b1": my - mx_ @ w}
+    mean_x, mean_y = X.mean(0), Y.mean(0)
+    Xc, Yc = X - mean_x, Y - mean_y
+    u, s, vt = np.linalg.svd(Xc, full_matrices=False)
+    mean_eig = (s**2).sum() / X.shape[1]
+    uy = u.T @ Yc
+    if ridge is None:
+        ridge = min(RIDGES, key=lambda r: _gcv(s, uy, Yc, r * mean_eig))
+    shrink = s / (s**2 + ridge * mean_eig)  # [k]
+    w = vt.T @ (shrink[:, None] * uy)
+    return {"w1": w, "b1": mean_y - mean_x @ w}
+
+
+def _gcv(s, uy, Yc, lam) -> float:
+    """n |Y - Y_hat|^2 / (n - degrees of freedom)^2 of the ridge fit at lam."""
+    f = s**2 / (s**2 + lam)
+    resid = (Yc**2).sum() - ((2 * f - f**2)[:, None] * uy**2).sum()
+    n = Yc.shape[0]
+    return n * resid / max(n - f.sum(), 1e-9) ** 2
 
 
 def fit_mlp(

@@ -26,7 +26,7 @@ from ..probe import run_probe
 
 @dataclass
 class Captured:
-    calls: list  # per layer: list of (q, k, v, rope, scale, query_scale)
+    calls: list  # per layer: list of (q, k, v, rope, scale, query_scale, x)
     tokens: list[int]  # the tokens processed
     # (algo, options but budget) -> per layer (cache before after_attend, its q)
     attended: dict = field(default_factory=dict)
@@ -43,11 +43,16 @@ class Captured:
         cuts = getattr(opts, "prompt_chunk", lambda: None)() is not None
         if chunks or cuts or any(len(calls) != 1 for calls in self.calls):
             caches = [cls(opts, layer, n) for layer in range(n)]
+            # one phase from the start: the last layer to attend a call sees
+            # every layer's rows (kvzap's model-wide choice), as in a direct run
+            share_phase(caches)
             for cache, calls in zip(caches, self.calls):
-                for q, k, v, rope, scale, query_scale in _split(calls, chunks):
+                for q, k, v, rope, scale, query_scale, x in _split(calls, chunks):
+                    cache.layer_input = (x, None)  # the hidden state (kvzap)
                     cache.attend(
                         q, k, v, rope=rope, scale=scale, query_scale=query_scale
                     )
+                    cache.layer_input = None
                 _ = cache.state  # as mlx-lm does after each prefill chunk
         else:
             rest = {k: v for k, v in (options or {}).items() if k != "budget"}
@@ -70,10 +75,12 @@ class Captured:
         """Per layer, a cache that attended the single captured call but has not
         run `after_attend` yet, with the (roped, scaled) queries it would get."""
         out = []
-        for layer, ((q, k, v, rope, scale, query_scale),) in enumerate(self.calls):
+        for layer, ((q, k, v, rope, scale, query_scale, x),) in enumerate(self.calls):
             cache, seen = cls(opts, layer, len(self.calls)), []
             cache.after_attend = lambda q, new_rows, seen=seen: seen.append(q)
+            cache.layer_input = (x, None)
             cache.attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
+            cache.layer_input = None
             del cache.after_attend  # the class hook again
             mx.eval(cache.arrays(), seen)
             out.append((cache, seen[0]))
@@ -86,12 +93,12 @@ def _split(calls, chunks):
     if not chunks or len(calls) != 1:
         yield from calls
         return
-    q, k, v, rope, scale, query_scale = calls[0]
+    q, k, v, rope, scale, query_scale, x = calls[0]
     start = 0
     for L in chunks:
         sl = slice(start, start + L)
         qs = query_scale[..., sl, :] if query_scale is not None else None
-        yield q[:, :, sl], k[:, :, sl], v[:, :, sl], rope, scale, qs
+        yield q[:, :, sl], k[:, :, sl], v[:, :, sl], rope, scale, qs, x[:, sl]
         start += L
 
 
@@ -103,10 +110,10 @@ def capture_prefill(model, tokens) -> Captured:
 
     def record(seen):
         call = (seen.q_pre, seen.k_pre, seen.v, seen.rope, seen.scale)
-        calls[seen.layer].append((*call, seen.query_scale))
+        calls[seen.layer].append((*call, seen.query_scale, seen.x))
 
     run_probe(model, list(tokens), record, chunk=max(1, len(tokens)))
     if not all(calls):
         raise RuntimeError("replay needs veloxpatch caches on every layer")
-    mx.eval([[(q, k, v) for q, k, v, *_ in layer] for layer in calls])
+    mx.eval([[(q, k, v, x) for q, k, v, *_, x in layer] for layer in calls])
     return Captured(calls, list(tokens))
