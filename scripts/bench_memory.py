@@ -50,13 +50,14 @@ DEFAULT_OUT = "scripts/results/bench_memory_peak.json"
 
 def default_arms(budget: int = BUDGET) -> list[str]:
     """mlx-lm's three, then every veloxpatch algorithm taking a budget at
-    `budget` rows (and with compress="chunks" where it has that option)."""
+    `budget` rows (and with compress="chunks" where it has that option), but
+    kvzap, which needs its scorer file (`kvzap:budget=512,scorer=FILE`)."""
     from veloxpatch.caches import ALGORITHMS
     from veloxpatch.eval.arms import takes_budget
 
     arms = ["unpatched", f"mlx.rotating:budget={budget}", "mlx.quantized:kv_bits=4"]
     for name in sorted(ALGORITHMS):
-        if not takes_budget(name):
+        if not takes_budget(name) or name == "kvzap":  # kvzap: give its scorer file
             continue
         arms.append(f"{name}:budget={budget}")
         if "compress" in ALGORITHMS[name].Options.__dataclass_fields__:

@@ -137,6 +137,11 @@ class KVzapCache(EvictingCache):
     wants_layer_input = True  # the hidden state entering attention scores
     row_arrays = ("zscore",)
 
+    @classmethod
+    def policy_for(cls, options) -> str:
+        # its cuts during the prompt read no query: any state is question-agnostic
+        return "as_is"
+
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)
         self.zscore = None  # [B, Hkv, rows] each row's predicted log score
