@@ -60,7 +60,8 @@ def test_kvzap_compresses_inside_stream_generate(loaded, scorer):
     shares = [c.share for c in caches]
     assert sum(shares) <= 128 * len(caches)  # the model-wide choice
     assert all(c.rows <= c.share + 32 for c in caches)  # + the decode window
-    assert max(c.kept_fraction() for c in caches) < 0.5
+    kept = [c.kept_fraction() for c in caches]  # layers get unequal shares
+    assert sum(kept) / len(kept) < 0.4 and max(shares) > min(shares)
 
 
 @smollm
