@@ -58,6 +58,8 @@ from veloxpatch.eval.passkey import INTRO, QUESTION, wilson
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ("full", "snapkv", "streaming_llm", "kvzip", "expected_attention")
+KVZAP = "kvzap"  # an arm when asked for, with --scorer
+SCORER = "scripts/results/smollm2_kvzap_linear.safetensors"
 UNPATCHED = "mlx_lm_unpatched"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 CODE_Q = QUESTION.strip()  # the passkey cases' question (SmolLM2 answers it)
@@ -222,21 +224,24 @@ def documents(tokenizer, n: int, context_tokens: int, text: str, seed: int):
 # -- servers --------------------------------------------------------------------
 
 
-def server_command(arm: str, budget: int, port: int) -> list[str]:
+def server_command(arm: str, budget: int, port: int, scorer=SCORER) -> list[str]:
     if arm == UNPATCHED:
         return [sys.executable, __file__, "--serve-unpatched", str(port)]
-    if arm not in ALGOS:
-        raise SystemExit(f"unknown arm {arm!r}: {', '.join((*ALGOS, UNPATCHED))}")
+    if arm not in (*ALGOS, KVZAP):
+        known = ", ".join((*ALGOS, KVZAP, UNPATCHED))
+        raise SystemExit(f"unknown arm {arm!r}: {known}")
     cmd = [sys.executable, "-m", "veloxpatch.serve", "--algo", arm]
     if arm != "full":
         cmd += ["--budget", str(budget)]
+    if arm == KVZAP:
+        cmd += ["--algo-arg", f"scorer={scorer}"]
     return cmd + ["--host", "127.0.0.1", "--port", str(port)]
 
 
-def server_label(arm: str, budget: int) -> str:
+def server_label(arm: str, budget: int, scorer=SCORER) -> str:
     if arm == UNPATCHED:
         return "mlx-lm's server, unpatched (scripts/bench_serve.py serve_unpatched)"
-    cmd = server_command(arm, budget, 0)
+    cmd = server_command(arm, budget, 0, scorer)
     return "veloxpatch serve " + shlex.join(cmd[cmd.index("--algo") : -4])
 
 
@@ -281,7 +286,7 @@ def server(arm: str, args, log_path: Path):
     of it killed on the way out), stopping itself after --server-timeout."""
     port = free_port()
     cmd = ["timeout", "--kill-after=10", str(args.server_timeout)]
-    cmd += server_command(arm, args.budget, port)
+    cmd += server_command(arm, args.budget, port, args.scorer)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -429,7 +434,7 @@ def run_arm(arm: str, docs: list[Document], args, tmp: Path) -> dict:
             }
         )
     row = summarize(arm, conversations, pairs)
-    row["server"] = server_label(arm, args.budget)
+    row["server"] = server_label(arm, args.budget, args.scorer)
     row["seconds"] = time.perf_counter() - started
     row["conversation_records"] = conversations
     row["cross_user_records"] = pairs
@@ -469,6 +474,12 @@ def main():
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="scripts/results/bench_chat.json")
+    ap.add_argument("--scorer", default=SCORER, help="kvzap's scorer file")
+    ap.add_argument(
+        "--add",
+        action="store_true",
+        help="add the arms to --out's table (same documents and settings)",
+    )
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument(
         "--server-timeout",
@@ -483,7 +494,7 @@ def main():
 
     arms = args.arms.split(",")
     for arm in arms:
-        server_command(arm, args.budget, 0)  # unknown arms fail here
+        server_command(arm, args.budget, 0, args.scorer)  # unknown arms fail here
     check_text(args.text)
     command = shlex.join([os.path.relpath(sys.executable, ROOT), *sys.argv])
 
@@ -497,14 +508,24 @@ def main():
     )
     tmp = Path(tempfile.mkdtemp(prefix="bench_chat_"))
     print(f"server logs in {tmp}", flush=True)
-    rows = []
+    config = {
+        **{k: v for k, v in vars(args).items() if k not in ("serve_unpatched", "add")},
+        "depths": list(DEPTHS),
+        "code_question": CODE_Q,
+        "summary_question": SUMMARY_Q,
+        "system_message": None,
+        "temperature": 0.0,
+    }
+    result = {"run": info, "command": command, "config": config, "table": []}
+    if args.add:  # the same documents and settings, these arms added (or redone)
+        result = added_to(args.out, config, {"run": info, "command": command})
     for arm in arms:
         try:
             row = run_arm(arm, docs, args, tmp)
         except Exception as e:  # recorded; the other arms still run
             row = {"arm": arm, "error": f"{type(e).__name__}: {e}"}
             print(f"{arm}: {row['error']}", flush=True)
-        rows.append(row)
+        result["table"] = [r for r in result["table"] if r["arm"] != arm] + [row]
         if "error" not in row:
             s, f = row["needle_second_turn2_code"], row["needle_first_turn1_code"]
             kv = row["kv_bytes_per_conversation"]
@@ -517,22 +538,39 @@ def main():
                 f"{row['cross_user_same']}/{row['pairs']} ({row['seconds']:.0f} s)",
                 flush=True,
             )
-        write_results(  # after every arm: a long run keeps what it measured
-            args.out,
-            {
-                "run": info,
-                "command": command,
-                "config": {
-                    **{k: v for k, v in vars(args).items() if k != "serve_unpatched"},
-                    "depths": list(DEPTHS),
-                    "code_question": CODE_Q,
-                    "summary_question": SUMMARY_Q,
-                    "system_message": None,
-                    "temperature": 0.0,
-                },
-                "table": rows,
-            },
-        )
+        write_results(args.out, result)  # after every arm: a long run keeps it
+
+
+# settings the documents and questions depend on: an added arm must share them
+SHARED = (
+    "conversations",
+    "context_tokens",
+    "text",
+    "budget",
+    "max_tokens",
+    "summary_max_tokens",
+    "cross_user",
+    "seed",
+    "depths",
+    "code_question",
+    "summary_question",
+    "temperature",
+)
+
+
+def added_to(path: str, config: dict, run: dict) -> dict:
+    """The results in `path`, with `run`'s arms recorded as added to them."""
+    import json
+
+    old = json.loads(Path(path).read_text())
+    for key in SHARED:
+        if old["config"].get(key) != config[key]:
+            raise SystemExit(
+                f"--add: {path} has {key} {old['config'].get(key)!r}, "
+                f"not {config[key]!r}"
+            )
+    old.setdefault("added", []).append({"arms": config["arms"], **run})
+    return old
 
 
 if __name__ == "__main__":

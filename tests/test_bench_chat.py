@@ -167,3 +167,19 @@ def test_results_doc_section(tmp_path, monkeypatch):
     rows = [line for line in lines if line.startswith("| `")]
     assert "2/3 [" in rows[0] and "1/2 |" in rows[0]
     assert rows[1].count("|") == rows[0].count("|")  # a failed arm keeps the table
+
+
+def test_kvzap_is_served_with_its_scorer_and_added_arms_share_the_documents(
+    tmp_path,
+):
+    cmd = bc.server_command("kvzap", 256, 9000, "s.safetensors")
+    assert cmd[cmd.index("--algo-arg") + 1] == "scorer=s.safetensors"
+    config = {k: 1 for k in bc.SHARED} | {"arms": "kvzap"}
+    path = tmp_path / "chat.json"
+    old = {"config": {**config, "arms": "full"}, "table": [{"arm": "full"}]}
+    path.write_text(json.dumps(old))
+    got = bc.added_to(str(path), config, {"command": "c"})
+    assert got["table"] == [{"arm": "full"}]
+    assert got["added"] == [{"arms": "kvzap", "command": "c"}]
+    with pytest.raises(SystemExit, match="seed"):
+        bc.added_to(str(path), {**config, "seed": 2}, {})
