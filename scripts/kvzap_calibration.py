@@ -38,10 +38,37 @@ def file_info(path: Path) -> dict:
     return json.loads(meta["info"]) | {"file": str(path), "kind": meta["kind"]}
 
 
+def score_percentiles(path: Path, tokens: int = 2048) -> dict:
+    """Percentiles of the scores `path`'s surrogates predict for `tokens` tokens
+    of calibration prose, sinks left out (where kvzap's thresholds come from)."""
+    import mlx.core as mx
+    import numpy as np
+
+    import veloxpatch
+    from veloxpatch.eval.text import prose_tokens
+
+    model, tokenizer = veloxpatch.load()
+    ids = prose_tokens(tokenizer, tokens, "calibration")
+    opts = dict(scorer=str(path), threshold=-1e6)  # keep everything
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        caches = patch.make_cache()
+        for a in range(0, tokens, 512):
+            mx.eval(model(mx.array(ids[a : a + 512])[None], cache=caches))
+        z = np.concatenate([np.array(c.row_scores()[0, :, 4:]).ravel() for c in caches])
+    return {
+        str(q): round(float(np.quantile(z, q)), 2) for q in (0.1, 0.25, 0.5, 0.75, 0.9)
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="1024:linear,4096:linear,16384:linear,16384:mlp")
     ap.add_argument("--folder", default="scripts/results", help="scorer files")
+    ap.add_argument(
+        "--percentiles-of",
+        default="16384:linear",
+        help="the run whose predicted scores give the threshold percentiles",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from veloxpatch.eval.runinfo import run_info, write_results
@@ -60,7 +87,16 @@ def main() -> None:
             f"{rows[-1]['mean_spearman']:.3f} ({rows[-1]['scoring_seconds']} s)",
             flush=True,
         )
-    write_results(args.out, {"run": run_info(), "config": vars(args), "table": rows})
+    source = scorer_path(Path(args.folder), *_parse(args.percentiles_of))
+    percentiles = score_percentiles(ROOT / source)
+    print(f"predicted scores of {source.name}: {percentiles}")
+    result = {"run": run_info(), "config": vars(args), "table": rows}
+    write_results(args.out, result | {"score_percentiles": percentiles})
+
+
+def _parse(run: str) -> tuple[int, str]:
+    tokens, kind = run.split(":")
+    return int(tokens), kind
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def table_of(res: dict, task: str) -> list[dict]:
 
 def short(family: str) -> str:
     # calibration files make long labels: keep the file's name only
-    for key in ("filters=", "codebook="):
+    for key in ("filters=", "codebook=", "scorer="):
         while f"{key}scripts/results/" in family:
             family = family.replace(f"{key}scripts/results/", key)
     return family

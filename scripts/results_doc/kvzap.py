@@ -1,0 +1,192 @@
+"""kvzap: its calibration, and the runs that compare it with kvzip and the
+others (agnostic and in-prompt passkey, continuation KL, prefill cost, the
+chat). Each part appears once its results file exists."""
+
+from __future__ import annotations
+
+import results_markdown as rm
+from results_markdown import command, grid, load, meta, table, wilson
+
+from .agnostic import KEYS
+from .continuation import KEYS as KL_KEYS
+
+CALIBRATION = "kvzap_calibration"
+AGNOSTIC = "passkey_kvzap_agnostic"
+SIZES = "passkey_kvzap_calibration"
+AWARE = "passkey_kvzap_aware"
+KL = "ppl_kvzap"
+BENCH = "bench_kvzap"
+
+
+def _have(name: str) -> bool:
+    return (rm.RESULTS / f"{name}.json").exists()
+
+
+def _run(name: str, intro: str, body: list[str], keys=KEYS) -> list[str]:
+    res = load(name)
+    return [
+        intro,
+        "",
+        meta(name, res),
+        "",
+        *body,
+        "",
+        *command("veloxpatch eval", res["config"], keys),
+        "",
+    ]
+
+
+def _kv(rows) -> list[str]:
+    full = next((r["kv_mb"] for r in rows if r["arm"] == "full"), None)
+
+    def cell(r):
+        share = f" ({r['kv_mb'] / full:.0%} of full)" if full else ""
+        return f"{r['kv_mb']:.1f}{share}"
+
+    return ["KV MB held by the compressed context (mean):", "", *grid(rows, cell)]
+
+
+def calibration() -> list[str]:
+    if not _have(CALIBRATION):
+        return []
+    res = load(CALIBRATION)
+    rows = [
+        [
+            f"{r['tokens']:,}",
+            r["kind"],
+            f"{r['segments']} x {r['segment_tokens']:,}",
+            r["held_out_segments"],
+            f"{r['mean_r2']:.3f}",
+            f"{r['mean_spearman']:.3f}",
+            f"{min(x['spearman'] for x in r['held_out']):.2f}-"
+            f"{max(x['spearman'] for x in r['held_out']):.2f}",
+            f"{r['scoring_seconds']:.0f}",
+            f"{r['fit_seconds']:.1f}",
+        ]
+        for r in res["table"]
+    ]
+    head = [
+        "tokens",
+        "kind",
+        "segments",
+        "held out",
+        "R^2",
+        "rank corr.",
+        "rank corr. by layer",
+        "scoring s",
+        "fit s",
+    ]
+    return [
+        "### Calibration",
+        "",
+        "`veloxpatch calibrate --algo kvzap` on the calibration prose: KVzip+ "
+        "scores of every segment from kvzip's reconstruction pass (the scoring "
+        "seconds, most of the time), then one surrogate per layer; R^2 and "
+        "Spearman's rank correlation of predicted against true log scores on the "
+        "held-out segments, mean over layers (and its range over layers). The "
+        "seconds were measured on a CPU shared with other runs.",
+        "",
+        meta(CALIBRATION, res),
+        "",
+        *table(head, rows),
+        "",
+        "```bash",
+        "python scripts/kvzap_calibration.py --runs "
+        f"{res['config']['runs']} --out scripts/results/{CALIBRATION}.json",
+        "```",
+        "",
+    ]
+
+
+def kvzap() -> list[str]:
+    parts = calibration()
+    if _have(AGNOSTIC):
+        rows = load(AGNOSTIC)["passkey"]["table"]
+        pct = load(CALIBRATION)["score_percentiles"] if _have(CALIBRATION) else {}
+        where = ", ".join(f"{pct[q]}" for q in ("0.5", "0.75", "0.9") if q in pct)
+        parts += _run(
+            AGNOSTIC,
+            "### Passkey asked after compression (question-agnostic)\n\n"
+            "The agnostic passkey cases (compress the context with no question, "
+            "then ask on copies), every arm in one run. `kvzap` uses the surrogates "
+            "fitted on 16,384 tokens of calibration prose (another text than the "
+            "evaluation prose); its `threshold` arms keep no budget: the thresholds "
+            "are the 50th, 75th and 90th percentiles of its predicted scores on "
+            f"2,048 tokens of calibration prose ({where}), rounded.",
+            [*grid(rows, wilson), "", *_kv(rows)],
+        )
+    if _have(SIZES):
+        rows = load(SIZES)["passkey"]["table"]
+        parts += _run(
+            SIZES,
+            "### How much calibration text\n\n"
+            "The same cases with surrogates fitted on 1,024 and 4,096 tokens "
+            "(linear) and on 16,384 tokens (2-layer MLP, hidden 128), at 256 rows.",
+            grid(rows, wilson),
+        )
+    if _have(AWARE):
+        rows = load(AWARE)["passkey"]["table"]
+        parts += _run(
+            AWARE,
+            "### Passkey with the question in the prompt (inside generate)\n\n"
+            "The question at the end of the prompt, as `mlx_lm.generate` runs it: "
+            "`kvzap` scores as the rows enter, `kvzip` reconstructs the prompt "
+            "from its ids before the call that ends it.",
+            [*grid(rows, wilson), "", *_kv(rows)],
+        )
+    if _have(KL):
+        res = load(KL)
+        rows = res["continuation"]["table"]
+        parts += _run(
+            KL,
+            "### Continuation after a context compressed on its own\n\n"
+            "KL(full || arm) and perplexity of 256 teacher-forced tokens after a "
+            "context of about 1,500 tokens compressed with no question.",
+            [
+                *grid(rows, lambda r: f"KL {r['kl']:.3f}, ppl {r['perplexity']:.2f}"),
+            ],
+            KL_KEYS,
+        )
+    if _have(BENCH):
+        res = load(BENCH)
+        body = table(
+            ["arm", "context", "prefill tok/s", "vs unpatched", "KV MB"],
+            [
+                [
+                    f"`{r['arm']}`",
+                    f"{r['context']:,}",
+                    f"{r['prefill_tok_per_s']:.1f}",
+                    f"{r['prefill_ratio']:.2f}",
+                    f"{r['kv_bytes'] / 1e6:.1f}",
+                ]
+                for r in res["table"]
+            ],
+        )
+        keys = ["arms", "budgets", "contexts", "repeats", "decode_tokens"]
+        parts += [
+            "### What compressing costs the prefill",
+            "",
+            "`veloxpatch bench`: prefill tok/s through mlx-lm's generate_step "
+            "(chunks of 512) to the first token, median of the repeats' ratios "
+            "to unpatched mlx-lm in the same run; `kvzip` reconstructs the prompt "
+            "inside it (the patch knows the tokenizer).",
+            "",
+            meta(BENCH, res),
+            "",
+            *body,
+            "",
+            *command("veloxpatch bench", res["config"], keys),
+            "",
+        ]
+    if not parts:
+        return []
+    return [
+        "## kvzap: KVzip's scores predicted from the hidden state",
+        "",
+        "kvzap (`veloxpatch/caches/kvzap.py`) scores each pair as it enters "
+        "the cache, from the hidden state entering attention, with a per-layer "
+        "surrogate fitted to this model's own KVzip+ scores: no token ids, no "
+        "second pass (docs/algorithms.md).",
+        "",
+        *parts,
+    ]
