@@ -51,7 +51,7 @@ def surrogate_scores(weights: dict, x: mx.array) -> mx.array:
 
 @dataclasses.dataclass
 class KVzapOptions(EvictionOptions):
-    """`scorer`: the calibration file (required). `threshold`: drop rows scoring
+    """`scorer`: the calibration file (required to patch a model). `threshold`: drop rows scoring
     under it (None: keep the best `budget`). `budget`: mean rows per layer and
     KV head (default 256 without a threshold; with one, a cap if given).
     `window`: newest rows always kept. `chunk`: prompt tokens between cuts
@@ -83,12 +83,8 @@ class KVzapOptions(EvictionOptions):
         return self.budget < PLACEHOLDER_BUDGET
 
     def __post_init__(self):
-        if self.scorer is None:
-            raise OptionError(
-                "kvzap needs scorer=FILE, its surrogates fitted to this model "
-                "(veloxpatch calibrate --algo kvzap --out FILE)"
-            )
-        check_path("scorer", self.scorer)
+        if self.scorer is not None:  # (required, but only once bound to a model)
+            check_path("scorer", self.scorer)
         if self.threshold is not None:
             check_number("threshold", self.threshold, -1e6, 1e6)
         if self.budget is None:
@@ -112,6 +108,11 @@ class KVzapOptions(EvictionOptions):
 
     def bind(self, model, dims):
         """Load and check the scorer file against `model` (before patching)."""
+        if self.scorer is None:
+            raise OptionError(
+                "kvzap needs scorer=FILE, its surrogates fitted to this model "
+                "(veloxpatch calibrate --algo kvzap --out FILE)"
+            )
         self.loaded = load_scorer(self.scorer, dims, hidden_size(model))
         return super().bind(model, dims)
 
