@@ -34,18 +34,50 @@ def _row_bytes(base: dict) -> float | None:
     return base["kv_bytes_prefill_end"] / (-(-base["context"] // 256) * 256)
 
 
-def _table(rows: list[dict]) -> list[str]:
+LAYERS = 30  # SmolLM2's, the model these runs use
+# cut back after every call: while one layer attends a prefill chunk, the others
+# hold their budget (one layer's chunk over all layers is step / LAYERS rows)
+EVERY_CALL = ("h2o", "tova", "keyformer", "knorm", "streaming_llm")
+PROMPT_END = ("snapkv", "pyramidkv", "adakv", "expected_attention", "qfilters", "kvzip")
+
+
+def _bound(arm: str, context: int, step: int) -> int | None:
+    """The rows per layer an arm says it holds at most while reading the
+    prompt: budget + chunk where it cuts every chunk (compress="chunks",
+    kvzap), budget plus one layer's share of a prefill chunk where it cuts
+    after every call, the whole prompt where it compresses at the prompt's
+    end; None where rows are not what it bounds (quantized)."""
+    name, _, rest = arm.partition(":")
+    opts = dict(o.partition("=")[::2] for o in rest.split(",") if o)
+    budget = int(opts["budget"]) if "budget" in opts else None
+    if name in ("unpatched", "full"):
+        return context
+    if name == "mlx.rotating":
+        return budget
+    if budget is None or "kv_bits" in opts or name.startswith("mlx."):
+        return None
+    if opts.get("compress") == "chunks" or name == "kvzap":
+        return budget + int(opts.get("chunk", 512))
+    if name in EVERY_CALL:
+        return budget + -(-step // LAYERS)
+    return context if name in PROMPT_END else None
+
+
+def _table(rows: list[dict], step: int = 512) -> list[str]:
     base = next((r for r in rows if r["arm"] == "unpatched" and "error" not in r), {})
     row_bytes = _row_bytes(base)
     head = ["arm", "prefill peak", "vs unpatched", "decode peak", "KV at first token"]
-    head += ["KV at the end", "peak KV", "its rows", "peak RSS prefill / decode"]
+    head += ["KV at the end", "peak KV", "its rows", "bound", "rows / bound"]
+    head += ["peak RSS prefill / decode"]
     head += ["prefill s", "decode tok/s"]
     body = []
     for r in rows:
         if "error" in r:
             error = r["error"].splitlines()[0].replace("|", "\\|")[:160]
-            body.append([f"`{short(r['arm'])}`", f"failed: {error}"] + [""] * 9)
+            body.append([f"`{short(r['arm'])}`", f"failed: {error}"] + [""] * 11)
             continue
+        rows_held = r["kv_peak_bytes"] / row_bytes if row_bytes else None
+        bound = _bound(r["arm"], r["context"], step)
         body.append(
             [
                 f"`{short(r['arm'])}`",
@@ -55,7 +87,9 @@ def _table(rows: list[dict]) -> list[str]:
                 _mb(r["kv_bytes_prefill_end"]),
                 _mb(r["kv_bytes"]),
                 _mb(r["kv_peak_bytes"]),
-                f"{r['kv_peak_bytes'] / row_bytes:,.0f}" if row_bytes else "",
+                "" if rows_held is None else f"{rows_held:,.0f}",
+                "" if bound is None else f"{bound:,}",
+                "" if None in (bound, rows_held) else f"{rows_held / bound:.2f}",
                 _rss(r),
                 f"{r['prefill_seconds']:,.1f}",
                 f"{r['decode_tok_s']:.2f}",
@@ -125,7 +159,13 @@ def peak_memory() -> list[str]:
         "falls below the prefill's. Peak KV is the most KV bytes held at once "
         "(ours read after every attention call, before any cut back), its rows "
         "those bytes over one token's KV in every layer (unpatched's; ours hold "
-        "each row's position too). "
+        "each row's position too). The bound is the rows per layer an arm "
+        "says it holds at most while reading the prompt: budget + chunk where it "
+        "cuts every chunk (`compress=chunks`, `kvzap`), budget plus one layer's "
+        "share of a prefill chunk where it cuts after every call (only one layer "
+        "attends at a time), the whole prompt where it compresses at the "
+        "prompt's end (heads padded to the largest and the positions it stores "
+        "count in its bytes). "
         "`unpatched` is mlx-lm with the model's own "
         "caches, `mlx.rotating` its RotatingKVCache, `mlx.quantized` its "
         "QuantizedKVCache from the first token.",
@@ -152,7 +192,7 @@ def peak_memory() -> list[str]:
         lines += [
             f"### {context:,} tokens, prefill chunk {step:,}",
             "",
-            *_table(mine),
+            *_table(mine, step),
             "",
         ]
         if context == note_at and (notes := _chunked(mine)):
