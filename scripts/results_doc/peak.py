@@ -60,6 +60,8 @@ def _bound(arm: str, context: int, step: int) -> int | None:
         return budget + int(opts.get("chunk", 512))
     if name in EVERY_CALL:
         return budget + -(-step // LAYERS)
+    if name == "kvzip":  # its reconstruction adds one repeated chunk of the context
+        return context + min(int(opts.get("chunk", 2048)), context)
     return context if name in PROMPT_END else None
 
 
@@ -164,8 +166,9 @@ def peak_memory() -> list[str]:
         "cuts every chunk (`compress=chunks`, `kvzap`), budget plus one layer's "
         "share of a prefill chunk where it cuts after every call (only one layer "
         "attends at a time), the whole prompt where it compresses at the "
-        "prompt's end (heads padded to the largest and the positions it stores "
-        "count in its bytes). "
+        "prompt's end (kvzip: plus the repeated chunk its reconstruction "
+        "attends with), heads padded to the largest and the positions it stores "
+        "count in its bytes. "
         "`unpatched` is mlx-lm with the model's own "
         "caches, `mlx.rotating` its RotatingKVCache, `mlx.quantized` its "
         "QuantizedKVCache from the first token.",
