@@ -17,7 +17,10 @@ Two modes, as kvpress:
   the window always, each head's best `floor` x budget first), at the end of
   every prompt call once every layer has seen it; in between each layer is cut
   to its share every `chunk` prompt tokens, so at most its share + chunk rows
-  are ever held. While decoding each layer keeps its share plus `window` rows,
+  are ever held. Such a cut is made before the other layers have seen those
+  rows, so it cannot share the budget over the model: `chunk` defaults to
+  mlx-lm's prefill step (2,048), so that inside mlx-lm's generate functions
+  every cut is the model-wide one (measured: docs/results.md). While decoding each layer keeps its share plus `window` rows,
   cut back every `window` tokens. `layerwise=True`: each layer keeps `budget`.
 """
 
@@ -62,7 +65,7 @@ class KVzapOptions(EvictionOptions):
     scorer: str | None = None
     threshold: float | None = None
     window: int = 32
-    chunk: int = 512
+    chunk: int = 2048
     floor: float = 0.5
     layerwise: bool = False
 
