@@ -7,11 +7,15 @@ from __future__ import annotations
 import results_markdown as rm
 from results_markdown import command, grid, load, meta, table, wilson
 
-from .agnostic import KEYS
+from .agnostic import KEYS as AGNOSTIC_KEYS
 from .continuation import KEYS as KL_KEYS
+
+KEYS = [*AGNOSTIC_KEYS, "text"]
 
 CALIBRATION = "kvzap_calibration"
 AGNOSTIC = "passkey_kvzap_agnostic"
+LICENSES = "passkey_kvzap_licenses"
+OPTIONS = "passkey_kvzap_options"
 SIZES = "passkey_kvzap_calibration"
 AWARE = "passkey_kvzap_aware"
 KL = "ppl_kvzap"
@@ -114,6 +118,29 @@ def kvzap() -> list[str]:
             "are the 50th, 75th and 90th percentiles of its predicted scores on "
             f"2,048 tokens of calibration prose ({where}), rounded.",
             [*grid(rows, wilson), "", *_kv(rows)],
+        )
+    if _have(LICENSES):
+        rows = load(LICENSES)["passkey"]["table"]
+        parts += _run(
+            LICENSES,
+            "### Where the budget is shared: cuts within a call\n\n"
+            "The agnostic passkey cases on the second prose (`--text "
+            "licenses-evaluation`), which chose kvzap's `chunk`. In budget mode "
+            "a layer is cut to its share every `chunk` tokens within a call, "
+            "before the other layers have seen those rows; the model-wide choice "
+            "comes when the last layer has. With `chunk=512` a 1,500-token context "
+            "is cut twice per layer before any model-wide choice; with 2,048 "
+            "(mlx-lm's prefill step, the default since) never; `layerwise=true` "
+            "keeps `budget` rows in every layer.",
+            [*grid(rows, wilson), "", *_kv(rows)],
+        )
+    if _have(OPTIONS):
+        rows = load(OPTIONS)["passkey"]["table"]
+        parts += _run(
+            OPTIONS,
+            "The same options on the evaluation prose's cases (those of the first "
+            "table, whose `kvzap` arm cut every 512 tokens):",
+            grid(rows, wilson),
         )
     if _have(SIZES):
         rows = load(SIZES)["passkey"]["table"]
