@@ -148,7 +148,9 @@ def kvzap() -> list[str]:
             SIZES,
             "### How much calibration text\n\n"
             "The same cases with surrogates fitted on 1,024 and 4,096 tokens "
-            "(linear) and on 16,384 tokens (2-layer MLP, hidden 128), at 256 rows.",
+            "(linear) and on 16,384 tokens (2-layer MLP, hidden 128), at 256 rows "
+            "and the default chunk; the linear one fitted on 16,384 tokens is the "
+            "`chunk=2048` row above.",
             grid(rows, wilson),
         )
     if _have(AWARE):
