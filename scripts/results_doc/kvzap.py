@@ -18,6 +18,8 @@ LICENSES = "passkey_kvzap_licenses"
 OPTIONS = "passkey_kvzap_options"
 SIZES = "passkey_kvzap_calibration"
 AWARE = "passkey_kvzap_aware"
+AWARE_DEFAULT = "passkey_kvzap_aware_default"
+KL_DEFAULT = "ppl_kvzap_default"
 KL = "ppl_kvzap"
 BENCH = "bench_kvzap"
 
@@ -163,6 +165,14 @@ def kvzap() -> list[str]:
             "from its ids before the call that ends it.",
             [*grid(rows, wilson), "", *_kv(rows)],
         )
+    if _have(AWARE_DEFAULT):
+        rows = load(AWARE_DEFAULT)["passkey"]["table"]
+        parts += _run(
+            AWARE_DEFAULT,
+            "The same cases with kvzap at its default (`chunk` 2,048; the run "
+            "above cut every 512 tokens):",
+            grid(rows, wilson),
+        )
     if _have(KL):
         res = load(KL)
         rows = res["continuation"]["table"]
@@ -174,6 +184,14 @@ def kvzap() -> list[str]:
             [
                 *grid(rows, lambda r: f"KL {r['kl']:.3f}, ppl {r['perplexity']:.2f}"),
             ],
+            KL_KEYS,
+        )
+    if _have(KL_DEFAULT):
+        rows = load(KL_DEFAULT)["continuation"]["table"]
+        parts += _run(
+            KL_DEFAULT,
+            "The same segments with kvzap at its default (`chunk` 2,048):",
+            grid(rows, lambda r: f"KL {r['kl']:.3f}, ppl {r['perplexity']:.2f}"),
             KL_KEYS,
         )
     if _have(BENCH):
