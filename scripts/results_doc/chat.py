@@ -148,8 +148,15 @@ def chat_bench() -> list[str]:
         "",
         "```bash",
         res["command"],
+        *[a["command"] for a in res.get("added", [])],
         "```",
         "",
+        *[
+            f"Added with `--add` (the same documents and settings): "
+            f"`{a['arms']}` at commit `{a['run']['git_commit']}`."
+            for a in res.get("added", [])
+        ],
+        *([""] if res.get("added") else []),
         *([("; ".join(notes) + "."), ""] if notes else []),
     ]
 

@@ -21,7 +21,7 @@ def later_rows() -> list[list[str]]:
     rows = []
     if (rm.RESULTS / "bench_chat.json").exists():
         chat = by_key(load("bench_chat")["table"])
-        ok = [a for a in ("kvzip", "snapkv", "streaming_llm") if a in chat]
+        ok = [a for a in ("kvzip", "kvzap", "snapkv", "streaming_llm") if a in chat]
         if ok and "mlx_lm_unpatched" in chat:
 
             def turn2(r):
