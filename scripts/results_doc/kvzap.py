@@ -235,5 +235,66 @@ def kvzap() -> list[str]:
         "surrogate fitted to this model's own KVzip+ scores: no token ids, no "
         "second pass (docs/algorithms.md).",
         "",
+        *summary(),
         *parts,
     ]
+
+
+def _find(name: str, part: str, test) -> dict | None:
+    if not _have(name):
+        return None
+    return next((r for r in load(name)[part]["table"] if test(r)), None)
+
+
+def summary() -> list[str]:
+    """kvzap at its defaults (linear surrogates from 16,384 tokens, chunk
+    2,048) against kvzip at 256 rows, wins and losses, where measured."""
+
+    def default(r):
+        return (
+            r["algo"] == "kvzap"
+            and "chunk=512" not in r["arm"]
+            and ("linear.safetensors" in r["arm"] and "threshold" not in r["arm"])
+            and "layerwise" not in r["arm"]
+        )
+
+    def kvzip(r):
+        return r["arm"] == "kvzip:budget=256"
+
+    out = []
+    pairs = [
+        ("agnostic passkey", (OPTIONS, AGNOSTIC), "passkey", "correct"),
+        (
+            "second prose's agnostic passkey (where `chunk` was chosen)",
+            (LICENSES, LICENSES),
+            "passkey",
+            "correct",
+        ),
+        ("in-prompt passkey", (AWARE_DEFAULT, AWARE), "passkey", "correct"),
+    ]
+    for what, (ours, theirs), part, _ in pairs:
+        a, b = _find(ours, part, default), _find(theirs, part, kvzip)
+        if a and b:
+            ratio = a["correct"] / b["correct"] if b["correct"] else float("nan")
+            out.append(
+                f"- {what}: `kvzap` {a['correct']}/{a['cases']}, `kvzip` "
+                f"{b['correct']}/{b['cases']} ({ratio:.2f}x)"
+            )
+    a, b = _find(KL_DEFAULT, "continuation", default), _find(KL, "continuation", kvzip)
+    if a and b:
+        verdict = "**loss**: " if a["kl"] > b["kl"] else ""
+        out.append(
+            f"- {verdict}continuation KL `kvzap` {a['kl']:.3f}, `kvzip` {b['kl']:.3f}"
+        )
+    if _have(BENCH):
+        bench = load(BENCH)["table"]
+        at = max(r["context"] for r in bench)
+        pre = {r["algo"]: r["prefill_ratio"] for r in bench if r["context"] == at}
+        if "kvzap" in pre and "kvzip" in pre:
+            out.append(
+                f"- prefill at {at:,} tokens: `kvzap` {pre['kvzap']:.2f}x "
+                f"unpatched's, `kvzip` {pre['kvzip']:.2f}x"
+            )
+    if not out:
+        return []
+    return ["At 256 rows, kvzap at its defaults against kvzip:", "", *out, ""]
