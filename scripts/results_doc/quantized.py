@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 import results_markdown as rm
-from results_markdown import command, load, meta, table
+from results_markdown import command, load, meta, table, wilson
 
 from .eval_runs import PPL_KEYS, RENAME, ppl_rows
 
@@ -302,7 +302,31 @@ def rotated() -> list[str]:
             "",
         ]
         findings += _rotation_findings(source, t)
-    return lines + findings + [""] + _rotated_speed()
+    return lines + findings + [""] + _rotated_passkey() + _rotated_speed()
+
+
+def _rotated_passkey() -> list[str]:
+    """The agnostic passkey cases with rotated 2- and 3-bit rows."""
+    name = "passkey_rotated"
+    if not (rm.RESULTS / f"{name}.json").exists():
+        return []
+    res = load(name)
+    rows = res["passkey"]["table"]
+    keys = ["arms", "tasks", "protocol", "context", "cases", "out"]
+    return [
+        "The agnostic passkey cases (compress first, ask afterwards), the rows "
+        "quantized from the first token:",
+        "",
+        meta(name, res),
+        "",
+        *table(
+            ["arm", "answers", "KV MB"],
+            [[f"`{r['arm']}`", wilson(r), f"{r['kv_mb']:.1f}"] for r in rows],
+        ),
+        "",
+        *command("veloxpatch eval", res["config"], keys),
+        "",
+    ]
 
 
 def _rotated_speed() -> list[str]:
