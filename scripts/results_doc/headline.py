@@ -122,14 +122,12 @@ def later_bullets() -> list[str]:
             pre = {r["algo"]: r["prefill_ratio"] for r in bench if r["context"] == at}
             if "kvzap" in pre and "kvzip" in pre:
                 cost = (
-                    f", prefill at {pre['kvzap']:.2f}x unpatched's (`kvzip` "
-                    f"{pre['kvzip']:.2f}x, {at:,} tokens)"
+                    f"; prefill {pre['kvzap']:.2f}x unpatched's tok/s (`kvzip` "
+                    f"{pre['kvzip']:.2f}x) at {at:,} tokens"
                 )
         out.append(
-            "- `kvzap` predicts kvzip's scores from the hidden state with a linear "
-            "map per layer fitted on this model's own scores: no second pass, "
-            f"inside every forward ({count(kz)} with the question in the prompt"
-            f"{cost})."
+            "- `kvzap`: kvzip's scores predicted from the hidden state, no second "
+            f"pass; {count(kz)} with the question in the prompt{cost}."
         )
     if (rm.RESULTS / "eval_rotated_kl.json").exists():
         parts = []
