@@ -138,9 +138,14 @@ def later_bullets() -> list[str]:
             r2, k2 = t["kivi:bits=2,kv_rotate=hadamard"], t["kivi:bits=2"]
             m4 = t["mlx.quantized:kv_bits=4"]
             parts.append(f"{k2['kl']:.3f} to {r2['kl']:.3f} (4-bit {m4['kl']:.3f})")
+        passkey = ""
+        if (rm.RESULTS / "passkey_rotated.json").exists():
+            pk = by_key(load("passkey_rotated")["passkey"]["table"])
+            a, b = pk["kivi:bits=2"], pk["kivi:bits=2,kv_rotate=hadamard"]
+            passkey = f"; agnostic passkey {count(a)} to {count(b)}"
         out.append(
-            f'- `kv_rotate="hadamard"`: 2-bit KIVI KL {" and ".join(parts)}, at '
-            f"{r2['kv_mb'] / m4['kv_mb']:.2f}x the 4-bit cache's bytes."
+            f'- `kv_rotate="hadamard"`: 2-bit KIVI KL {" and ".join(parts)} at '
+            f"{r2['kv_mb'] / m4['kv_mb']:.2f}x its bytes{passkey}."
         )
     return out
 
