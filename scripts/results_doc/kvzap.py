@@ -104,13 +104,13 @@ def calibration() -> list[str]:
     ]
 
 
-def kvzap() -> list[str]:
-    parts = calibration()
-    if _have(AGNOSTIC):
-        rows = load(AGNOSTIC)["passkey"]["table"]
-        pct = load(CALIBRATION)["score_percentiles"] if _have(CALIBRATION) else {}
-        where = ", ".join(f"{pct[q]}" for q in ("0.5", "0.75", "0.9") if q in pct)
-        parts += _run(
+def passkey_parts() -> list[tuple[str, str, bool]]:
+    """(results file, what it measured, whether to show KV MB) of the passkey
+    runs, in the order they appear."""
+    pct = load(CALIBRATION)["score_percentiles"] if _have(CALIBRATION) else {}
+    where = ", ".join(f"{pct[q]}" for q in ("0.5", "0.75", "0.9") if q in pct)
+    return [
+        (
             AGNOSTIC,
             "### Passkey asked after compression (question-agnostic)\n\n"
             "The agnostic passkey cases (compress the context with no question, "
@@ -119,11 +119,9 @@ def kvzap() -> list[str]:
             "evaluation prose); its `threshold` arms keep no budget: the thresholds "
             "are the 50th, 75th and 90th percentiles of its predicted scores on "
             f"2,048 tokens of calibration prose ({where}), rounded.",
-            [*grid(rows, wilson), "", *_kv(rows)],
-        )
-    if _have(LICENSES):
-        rows = load(LICENSES)["passkey"]["table"]
-        parts += _run(
+            True,
+        ),
+        (
             LICENSES,
             "### Where the budget is shared: cuts within a call\n\n"
             "The agnostic passkey cases on the second prose (`--text "
@@ -134,45 +132,47 @@ def kvzap() -> list[str]:
             "is cut twice per layer before any model-wide choice; with 2,048 "
             "(mlx-lm's prefill step, the default since) never; `layerwise=true` "
             "keeps `budget` rows in every layer.",
-            [*grid(rows, wilson), "", *_kv(rows)],
-        )
-    if _have(OPTIONS):
-        rows = load(OPTIONS)["passkey"]["table"]
-        parts += _run(
+            True,
+        ),
+        (
             OPTIONS,
             "The same options on the evaluation prose's cases (those of the first "
             "table, whose `kvzap` arm cut every 512 tokens):",
-            grid(rows, wilson),
-        )
-    if _have(SIZES):
-        rows = load(SIZES)["passkey"]["table"]
-        parts += _run(
+            False,
+        ),
+        (
             SIZES,
             "### How much calibration text\n\n"
             "The same cases with surrogates fitted on 1,024 and 4,096 tokens "
             "(linear) and on 16,384 tokens (2-layer MLP, hidden 128), at 256 rows "
             "and the default chunk; the linear one fitted on 16,384 tokens is the "
             "`chunk=2048` row above.",
-            grid(rows, wilson),
-        )
-    if _have(AWARE):
-        rows = load(AWARE)["passkey"]["table"]
-        parts += _run(
+            False,
+        ),
+        (
             AWARE,
             "### Passkey with the question in the prompt (inside generate)\n\n"
             "The question at the end of the prompt, as `mlx_lm.generate` runs it: "
             "`kvzap` scores as the rows enter, `kvzip` reconstructs the prompt "
             "from its ids before the call that ends it.",
-            [*grid(rows, wilson), "", *_kv(rows)],
-        )
-    if _have(AWARE_DEFAULT):
-        rows = load(AWARE_DEFAULT)["passkey"]["table"]
-        parts += _run(
+            True,
+        ),
+        (
             AWARE_DEFAULT,
             "The same cases with kvzap at its default (`chunk` 2,048; the run "
             "above cut every 512 tokens):",
-            grid(rows, wilson),
-        )
+            False,
+        ),
+    ]
+
+
+def kvzap() -> list[str]:
+    parts = calibration()
+    for name, intro, with_kv in passkey_parts():
+        if _have(name):
+            rows = load(name)["passkey"]["table"]
+            body = [*grid(rows, wilson), *(["", *_kv(rows)] if with_kv else [])]
+            parts += _run(name, intro, body)
     if _have(KL):
         res = load(KL)
         rows = res["continuation"]["table"]
