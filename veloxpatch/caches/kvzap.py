@@ -20,8 +20,9 @@ Two modes, as kvpress:
   are ever held. Such a cut is made before the other layers have seen those
   rows, so it cannot share the budget over the model: `chunk` defaults to
   mlx-lm's prefill step (2,048), so that inside mlx-lm's generate functions
-  every cut is the model-wide one (measured: docs/results.md). While decoding each layer keeps its share plus `window` rows,
-  cut back every `window` tokens. `layerwise=True`: each layer keeps `budget`.
+  every cut is the model-wide one (measured: docs/results.md). While decoding
+  each layer keeps its share plus `window` rows, cut back every `window`
+  tokens. `layerwise=True`: each layer keeps `budget`.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def surrogate_scores(weights: dict, x: mx.array) -> mx.array:
 
 @dataclasses.dataclass
 class KVzapOptions(EvictionOptions):
-    """`scorer`: the calibration file (required to patch a model). `threshold`: drop rows scoring
-    under it (None: keep the best `budget`). `budget`: mean rows per layer and
+    """`scorer`: the calibration file (required to patch a model).
+    `threshold`: drop rows scoring under it (None: keep the best `budget`). `budget`: mean rows per layer and
     KV head (default 256 without a threshold; with one, a cap if given).
     `window`: newest rows always kept. `chunk`: prompt tokens between cuts
     within a call. `floor`: fraction of the budget each head keeps at least.
