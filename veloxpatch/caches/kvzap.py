@@ -56,8 +56,9 @@ def surrogate_scores(weights: dict, x: mx.array) -> mx.array:
 @dataclasses.dataclass
 class KVzapOptions(EvictionOptions):
     """`scorer`: the calibration file (required to patch a model).
-    `threshold`: drop rows scoring under it (None: keep the best `budget`). `budget`: mean rows per layer and
-    KV head (default 256 without a threshold; with one, a cap if given).
+    `threshold`: drop rows scoring under it (None: keep the best `budget`).
+    `budget`: mean rows per layer and KV head (default 256 without a
+    threshold; with one, a cap if given).
     `window`: newest rows always kept. `chunk`: prompt tokens between cuts
     within a call. `floor`: fraction of the budget each head keeps at least.
     `layerwise`: every layer keeps `budget` instead of one model-wide choice."""
