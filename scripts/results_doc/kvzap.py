@@ -20,6 +20,7 @@ SIZES = "passkey_kvzap_calibration"
 AWARE = "passkey_kvzap_aware"
 AWARE_DEFAULT = "passkey_kvzap_aware_default"
 KL_DEFAULT = "ppl_kvzap_default"
+KL_LICENSES = "ppl_kvzap_licenses"
 KL = "ppl_kvzap"
 BENCH = "bench_kvzap"
 
@@ -193,6 +194,16 @@ def kvzap() -> list[str]:
             "The same segments with kvzap at its default (`chunk` 2,048):",
             grid(rows, lambda r: f"KL {r['kl']:.3f}, ppl {r['perplexity']:.2f}"),
             KL_KEYS,
+        )
+    if _have(KL_LICENSES):
+        rows = load(KL_LICENSES)["continuation"]["table"]
+        parts += _run(
+            KL_LICENSES,
+            "The continuation on the second prose, with a wider protected window "
+            "(`window=128`, kvpress's DMS default) and no per-head floor "
+            "(`floor=0`), to see where kvzap's continuation loses to kvzip's:",
+            grid(rows, lambda r: f"KL {r['kl']:.3f}, ppl {r['perplexity']:.2f}"),
+            [*KL_KEYS, "text"],
         )
     if _have(BENCH):
         res = load(BENCH)
