@@ -210,6 +210,12 @@ class VeloxCache(RowStorage):
             if snap and not first:
                 self.take_snapshot(pending=False)
 
+    def phase_members(self) -> list:
+        """The caches of this prompt cache running the same algorithm, in layer
+        order (kvzip's and kvzap's model-wide choices)."""
+        caches = [r() for r in self.phase.members]
+        return [c for c in caches if c is not None and c.name == self.name]
+
     def snapshot_first(self) -> bool:
         """Whether the prompt-end snapshot is taken before `end_prompt` runs
         (its compression reads the question's queries) or after (kvzip's

@@ -208,10 +208,9 @@ class KVzapCache(EvictingCache):
         counts = keep.sum(-1).astype(mx.int32)  # [B, Hkv]
         if self.options.capped:
             counts = mx.minimum(counts, self.row_budget())
-        most = int(counts.max().item())
-        if most == self.rows and bool((counts == most).all().item()):
-            return  # nothing to drop
-        self.evict_to(most, s, counts)
+        if int(counts.min().item()) == self.rows:
+            return  # every head keeps every row
+        self.evict_to(int(counts.max().item()), s, counts)
 
     # ---- budget mode ---------------------------------------------------------------
     def row_budget(self) -> int:
@@ -222,11 +221,6 @@ class KVzapCache(EvictingCache):
             return max(self.rows, 1)
         return self.row_budget() + self.options.window
 
-    def chunk_done(self) -> None:
-        # (threshold mode: every piece was judged as it was held, after_attend)
-        if self.options.threshold is None and self.rows > self.row_budget():
-            self.evict_to(self.row_budget(), self.row_scores())
-
     def next_cut(self, start, end):
         if self.options.threshold is None:
             return super().next_cut(start, end)
@@ -234,20 +228,20 @@ class KVzapCache(EvictingCache):
         return cut if cut < end else None
 
     def end_prompt(self):
-        if self.options.threshold is None and self.rows > self.row_budget():
-            self.evict_to(self.row_budget(), self.row_scores())
+        if self.options.threshold is None:
+            self.compress()
 
-    def members(self) -> list:
-        refs = getattr(self.phase, "members", None) or []
-        caches = [r() for r in refs]
-        return [c for c in caches if isinstance(c, KVzapCache)] or [self]
+    def scores(self, q=None) -> mx.array:
+        # the base's cuts (within a call, at the prompt end) read the stored scores;
+        # threshold mode's pieces were judged as they were held (after_attend)
+        return self.row_scores()
 
     def is_last_member(self) -> bool:
-        return self.members()[-1] is self
+        return (self.phase_members() or [self])[-1] is self
 
     def choose_together(self) -> None:
         """Every layer has seen the call: one choice over the whole model."""
-        members = self.members()
+        members = self.phase_members() or [self]
         if any(c.rows > c.row_budget() for c in members):
             compress_together([c for c in members if c.zscore is not None])
 
@@ -266,8 +260,8 @@ class KVzapCache(EvictingCache):
     # ---- what the kept fraction and a saved cache need -----------------------------
     def kept_fraction(self) -> float:
         """Rows held over pairs that entered, mean over heads (1.0 before any)."""
-        if not self.entered or self.positions is None:
-            return 1.0 if not self.entered else self.rows / self.entered
+        if not self.entered:
+            return 1.0
         held = (self.positions_view() != PAD_POSITION).sum(-1).astype(mx.float32)
         return held.mean().item() / self.entered
 

@@ -66,7 +66,7 @@ class Captured:
                 cache.after_attend(q, q.shape[2])
                 _ = cache.state
                 caches.append(cache)
-        share_phase(caches)  # as make_cache: model-wide choices see every layer
+            share_phase(caches)  # as make_cache: model-wide choices see every layer
         caches[0].phase.record(0, self.tokens)  # as the patch records a prompt
         mx.eval([c.arrays() for c in caches])
         return caches

@@ -336,11 +336,6 @@ class KVzipCache(EvictingCache):
         self.tail_queries = None
         self.compressed_ends = self.phase.ends
 
-    def phase_members(self) -> list:
-        refs = getattr(self.phase, "members", None) or []
-        caches = [r() for r in refs]
-        return [c for c in caches if isinstance(c, KVzipCache)]
-
     def keep_counted(self, scores: mx.array, n_keep: int) -> None:
         """Keep each head's best `n_keep` rows (from the model-wide choice)."""
         self.evict_to(n_keep, scores)
