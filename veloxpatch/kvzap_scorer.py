@@ -240,11 +240,7 @@ def calibrate_scorer(
         "segments": len(data),
         "segment_tokens": segments_of(len(ids), segment)[0][1],
         "held_out_segments": int(sum(mask)),
-        "samples_per_segment": int(
-            data[0][1][
-                next(i for i, y in enumerate(data[0][1]) if y is not None)
-            ].shape[0]
-        ),
+        "samples_per_segment": next(len(y) for y in data[0][1] if y is not None),
         "held_out": quality,
         "mean_r2": round(float(np.mean([r["r2"] for r in quality])), 4),
         "mean_spearman": round(float(np.mean([r["spearman"] for r in quality])), 4),
