@@ -34,10 +34,12 @@ import mlx.nn as nn
 
 from ..calibration_format import load_scorer
 from ..errors import OptionError, PatchStateError
+from .attention_math import newest_queries
 from .base import PAD_POSITION
 from .eviction import PLACEHOLDER_BUDGET, EvictingCache, EvictionOptions
 from .kvzip.choice import compress_together
-from .options import check_int, check_number, check_path
+from .options import check_choice, check_int, check_number, check_path
+from .snapkv import SnapKVOptions, newest_query_probs, window_score
 from .storage import padded_to
 
 DEFAULT_BUDGET = 256
@@ -70,6 +72,7 @@ class KVzapOptions(EvictionOptions):
     chunk: int = 2048
     floor: float = 0.5
     layerwise: bool = False
+    decode: str = "attention"
 
     def recent_rows(self):
         return self.window
@@ -99,6 +102,7 @@ class KVzapOptions(EvictionOptions):
         check_int("window", self.window, 0)
         check_int("chunk", self.chunk, 1)
         check_number("floor", self.floor, 0, 1)
+        check_choice("decode", self.decode, ("attention", "surrogate"))
         if not isinstance(self.layerwise, bool):
             raise OptionError(
                 f"layerwise must be true or false, got {self.layerwise!r}"
@@ -158,6 +162,7 @@ class KVzapCache(EvictingCache):
         self.share = None  # rows this layer keeps (budget mode, the global choice)
         self.unjudged = 0  # newest rows no cut has looked at yet
         self.entered = 0  # pairs that entered, per head (the kept fraction)
+        self.decode_queries = None  # budget mode: the last `window` decode queries
 
     # ---- scoring as rows enter -------------------------------------------------
     def attend(self, q, k, v, *, rope, scale, query_scale=None):
@@ -191,10 +196,25 @@ class KVzapCache(EvictingCache):
         elif self.in_prompt:
             if self.is_last_member() and self.pending.shape[-1] == 0:
                 self.choose_together()
-        elif self.cut_after_window(
-            self.row_budget(), self.row_budget(), self.row_scores
-        ):
-            self.unjudged = 0
+        else:
+            scores = self.row_scores
+            if self.options.decode == "attention":
+                w = max(self.options.window, 1)
+                self.decode_queries = newest_queries(self.decode_queries, q, w)
+                scores = self.decode_scores
+            if self.cut_after_window(self.row_budget(), self.row_budget(), scores):
+                self.unjudged = 0
+
+    def decode_scores(self) -> mx.array:
+        """[B, Hkv, rows] SnapKV's score under the last `window` decode queries."""
+        probs = newest_query_probs(self, self.decode_queries)
+        return window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
+
+    def trim(self, n):
+        n = super().trim(n)
+        if n:
+            self.decode_queries = None  # they may include trimmed tokens
+        return n
 
     # ---- threshold mode ----------------------------------------------------------
     def drop_below(self) -> None:

@@ -97,6 +97,15 @@ def window_score(probs: mx.array, kernel: int, pool: str) -> mx.array:
     return pool_positions(probs.sum(axis=3), kernel, pool).mean(axis=2)
 
 
+def newest_query_probs(cache, q: mx.array) -> mx.array:
+    """[B, Hkv, G, n, T] attention of the n newest queries q (those that end
+    at the cache's offset) over the rows `cache` holds."""
+    keys, _ = cache._view()
+    start = cache.offset - q.shape[2]
+    _, probs = query_probs(q, keys, cache.positions_view(), start, cache.scale)
+    return probs
+
+
 class SnapKVCache(EvictingCache):
     name = "snapkv"
     prompt_cache_policy = "prompt"
@@ -163,16 +172,7 @@ class SnapKVCache(EvictingCache):
 
     def window_probs(self) -> mx.array:
         """[B, Hkv, G, w, T] attention of the buffered queries over stored rows."""
-        keys, _ = self._view()
-        w = self.window_queries.shape[2]
-        _, probs = query_probs(
-            self.window_queries,
-            keys,
-            self.positions_view(),
-            self.offset - w,
-            self.scale,
-        )
-        return probs
+        return newest_query_probs(self, self.window_queries)
 
     def query_weights(self, n: int) -> mx.array | None:
         """Weight of each of the last `n` buffered queries: `answer_weight` for

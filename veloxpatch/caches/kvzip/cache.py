@@ -58,7 +58,7 @@ from ..attention_math import newest_queries, query_probs, query_tiles
 from ..base import PAD_POSITION
 from ..eviction import EvictingCache, EvictionOptions
 from ..options import check_choice, check_int, check_number
-from ..snapkv import SnapKVOptions, window_score
+from ..snapkv import SnapKVOptions, newest_query_probs, window_score
 from ..storage import padded_to
 from .choice import compress_together
 from .plus import output_gram, plus_scores
@@ -219,9 +219,7 @@ class KVzipCache(EvictingCache):
         q, self.tail_queries = self.tail_queries, None
         if q is None:
             return
-        keys, _ = self._view()
-        start = self.offset - q.shape[2]
-        _, probs = query_probs(q, keys, self.positions_view(), start, self.scale)
+        probs = newest_query_probs(self, q)
         if self.score_prompt:
             self.zscore = window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
             return
@@ -416,10 +414,7 @@ class KVzipCache(EvictingCache):
     def decode_scores(self) -> mx.array:
         """[B, Hkv, T] SnapKV's score under the buffered decode queries: their
         summed probabilities, max-pooled over 7 positions, mean over the group."""
-        keys, _ = self._view()
-        q = self.decode_queries
-        start = self.offset - q.shape[2]
-        _, probs = query_probs(q, keys, self.positions_view(), start, self.scale)
+        probs = newest_query_probs(self, self.decode_queries)
         return window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
 
     def trim(self, n):
