@@ -149,8 +149,13 @@ class KVzapCache(EvictingCache):
 
     @classmethod
     def policy_for(cls, options) -> str:
-        # its cuts during the prompt read no query: any state is question-agnostic
-        return "as_is"
+        # its cuts during the prompt read no query; decode="attention" cuts read
+        # the answer's: the server keeps the state the prompt's end left
+        reads_answer = options.threshold is None and options.decode == "attention"
+        return "prompt" if reads_answer else "as_is"
+
+    def snapshot_first(self) -> bool:
+        return False  # the prompt's compression is question-agnostic: keep it
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)
