@@ -100,3 +100,64 @@ def check_oracle(model, tokens, chunks, algo, atol=1e-5, **options):
     dense = oracle_logits(model, tokens, masks)
     evicted = sum(int((~m).sum()) for m in masks)  # includes causal zeros
     return mx.abs(patched - dense).max().item(), masks, caches, evicted
+
+
+def numpy_decode_scores(q, keys, pos, offset, scale):
+    """SnapKV's score under the buffered decode queries q [B, Hq, n, D] at
+    positions offset - n..: summed probabilities, max-pooled over 7 positions
+    (zero padding), mean over the GQA group; keys [B, Hkv, T, D]."""
+    B, hq, n, _ = q.shape
+    hkv, T = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    out = np.zeros((B, hkv, T))
+    qpos = np.arange(offset - n, offset)
+    for b in range(B):
+        for h in range(hq):
+            logits = q[b, h] @ keys[b, h // g].T * scale
+            logits = np.where(pos[b, h // g][None, :] <= qpos[:, None], logits, -np.inf)
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            summed = (p / p.sum(-1, keepdims=True)).sum(0)
+            padded = np.pad(summed, 3)
+            pooled = np.max([padded[i : i + T] for i in range(7)], axis=0)
+            out[b, h // g] += pooled / g
+    return out
+
+
+def watch_decode_cuts(c, sinks: int, window: int) -> list:
+    """Check every eviction of cache `c` against `numpy_decode_scores` of its
+    buffered decode queries: the scores it cuts by, the sinks and the `window`
+    newest rows kept, and every other kept row scoring at least what was
+    dropped. Returns the list of each cut's n_keep, filled as cuts happen
+    (cuts before any decode query, the prompt's, pass unchecked)."""
+    seen = []
+    evict = c.evict_to
+
+    def checked(n_keep, scores, counts=None):
+        if c.in_prompt or c.decode_queries is None:
+            return evict(n_keep, scores, counts)
+        keys, _ = c._view()
+        pos = np.array(c.positions_view())
+        ref = numpy_decode_scores(
+            np.array(c.decode_queries, dtype=np.float32),
+            np.array(keys, dtype=np.float32),
+            pos,
+            c.offset,
+            c.scale,
+        )
+        np.testing.assert_allclose(np.array(scores), ref, rtol=1e-4, atol=1e-6)
+        evict(n_keep, scores, counts)
+        kept = np.array(c.positions_view())
+        for b in range(pos.shape[0]):
+            for h in range(pos.shape[1]):
+                row, held = pos[b, h], set(kept[b, h].tolist())
+                must = (row < sinks) | (row >= c.offset - window)
+                assert {int(p) for p in row[must]} <= held
+                assert len(held) == n_keep
+                won = np.array([p in held for p in row]) & ~must
+                lost = ~np.array([p in held for p in row]) & ~must
+                if won.any() and lost.any():  # ties may go either way
+                    assert ref[b, h][won].min() >= ref[b, h][lost].max() - 1e-6
+        seen.append(n_keep)
+
+    c.evict_to = checked
+    return seen

@@ -6,6 +6,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import greedy, max_abs
+from oracle import watch_decode_cuts
 from tiny import VOCAB, prompt_tokens, tiny_model
 
 import veloxpatch
@@ -267,64 +268,13 @@ def test_compressed_layers_hold_no_spare_rows(kv_bits):
     assert len(text) == 3
 
 
-def numpy_decode_scores(q, keys, pos, offset, scale):
-    """SnapKV's score under the buffered decode queries q [B, Hq, n, D] at
-    positions offset - n..: summed probabilities, max-pooled over 7 positions
-    (zero padding), mean over the GQA group; keys [B, Hkv, T, D]."""
-    B, hq, n, _ = q.shape
-    hkv, T = keys.shape[1], keys.shape[2]
-    g = hq // hkv
-    out = np.zeros((B, hkv, T))
-    qpos = np.arange(offset - n, offset)
-    for b in range(B):
-        for h in range(hq):
-            logits = q[b, h] @ keys[b, h // g].T * scale
-            logits = np.where(pos[b, h // g][None, :] <= qpos[:, None], logits, -np.inf)
-            p = np.exp(logits - logits.max(-1, keepdims=True))
-            summed = (p / p.sum(-1, keepdims=True)).sum(0)
-            padded = np.pad(summed, 3)
-            pooled = np.max([padded[i : i + T] for i in range(7)], axis=0)
-            out[b, h // g] += pooled / g
-    return out
-
-
 def test_decode_recompression_keeps_the_best_rows_by_the_newest_queries():
     model = tiny_model("llama")
     ids = prompt_tokens(40).tolist()
     with veloxpatch.patched(model, "kvzip", budget=12, sinks=2, window=4) as patch:
         caches = patch.prefill(ids, tokenizer=TOK)
         c = caches[1]
-        seen = []
-        evict = c.evict_to
-
-        def spy(n_keep, scores, counts=None):
-            keys, _ = c._view()
-            pos = np.array(c.positions_view())
-            ref = numpy_decode_scores(
-                np.array(c.decode_queries, dtype=np.float32),
-                np.array(keys, dtype=np.float32),
-                pos,
-                c.offset,
-                c.scale,
-            )
-            np.testing.assert_allclose(np.array(scores), ref, rtol=1e-4, atol=1e-6)
-            assert n_keep == 12
-            evict(n_keep, scores, counts)
-            kept = np.array(c.positions_view())
-            for b in range(pos.shape[0]):
-                for h in range(pos.shape[1]):
-                    row, held = pos[b, h], set(kept[b, h].tolist())
-                    must = (row < 2) | (row >= c.offset - 4)  # sinks, window
-                    assert {int(p) for p in row[must]} <= held
-                    assert len(held) == n_keep
-                    free = ~must
-                    won = np.array([p in held for p in row]) & free
-                    lost = ~np.array([p in held for p in row]) & free
-                    if won.any() and lost.any():  # ties may go either way
-                        assert ref[b, h][won].min() >= ref[b, h][lost].max() - 1e-6
-            seen.append(n_keep)
-
-        c.evict_to = spy
+        seen = watch_decode_cuts(c, sinks=2, window=4)
         greedy(model, prompt_tokens(4, seed=3), n=12, prompt_cache=caches)
     assert seen and all(n == 12 for n in seen)  # every layer back to the budget
     assert all(x.rows <= 12 + 4 for x in caches)

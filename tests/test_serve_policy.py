@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import greedy
-from tiny import prompt_tokens, tiny_model
+from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
 
 import veloxpatch
 from veloxpatch.serve.kv import BoundedPromptCache, kept_for_later
@@ -52,16 +52,26 @@ def test_an_answer_never_depends_on_another_users_question(algo, opts):
     np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
 
 
-@pytest.mark.parametrize("algo", ["streaming_llm", "knorm", "kvzip"])
-def test_a_cache_evicted_past_the_shared_prefix_is_not_reused(algo):
+@pytest.mark.parametrize(
+    "algo,opts",
+    [
+        ("streaming_llm", {}),
+        ("knorm", {}),
+        ("kvzip", {}),
+        ("kvzap", dict(scorer=SCORER)),  # its model-wide choice saw the question
+        ("kvzap", dict(scorer=SCORER, decode="surrogate")),
+    ],
+)
+def test_a_cache_evicted_past_the_shared_prefix_is_not_reused(algo, opts):
     """Rows evicted after the shared document were chosen with what followed it
     (the first user's question, or its length): the second user starts over
     and gets what it gets alone. The first user's next turn still reuses."""
     from test_kvzip import TOK
 
     model = tiny_model("llama")
+    opts = resolve_options(model, opts)
     ask_long = prompt_tokens(20, seed=13).tolist()
-    with veloxpatch.patched(model, algo, tokenizer=TOK, budget=40) as patch:
+    with veloxpatch.patched(model, algo, tokenizer=TOK, budget=40, **opts) as patch:
         patch.keep_snapshots = True
         alone = serve(model, BoundedPromptCache(), DOC + ASK_B)
         store = BoundedPromptCache()
