@@ -21,8 +21,11 @@ Two modes, as kvpress:
   rows, so it cannot share the budget over the model: `chunk` defaults to
   mlx-lm's prefill step (2,048), so that inside mlx-lm's generate functions
   every cut is the model-wide one (measured: docs/results.md). While decoding
-  each layer keeps its share plus `window` rows, cut back every `window`
-  tokens. `layerwise=True`: each layer keeps `budget`.
+  each layer keeps its share plus `window` rows, cut back to its share every
+  `window` tokens: by SnapKV's score under the last `window` decode queries
+  (`decode="attention"`, as kvzip decodes: a continuation reads what they
+  read), or by the predicted scores (`decode="surrogate"`, no query read).
+  `layerwise=True`: each layer keeps `budget`.
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ class KVzapOptions(EvictionOptions):
     threshold; with one, a cap if given).
     `window`: newest rows always kept. `chunk`: prompt tokens between cuts
     within a call. `floor`: fraction of the budget each head keeps at least.
-    `layerwise`: every layer keeps `budget` instead of one model-wide choice."""
+    `layerwise`: every layer keeps `budget` instead of one model-wide choice.
+    `decode`: what decides the cuts while decoding in budget mode,
+    "attention" (the newest queries) or "surrogate"."""
 
     budget: int | None = None
     scorer: str | None = None
