@@ -103,7 +103,7 @@ class ModelDims:
     def fingerprint(self) -> dict:
         """What identifies the model for its calibration files (computed once,
         when a file is read or written)."""
-        return fingerprint(self.model)
+        return fingerprint(self.model, self.shards)
 
     @property
     def layers(self) -> int:
@@ -209,15 +209,26 @@ def _weight_sample(linear) -> np.ndarray:
     return np.array(w[:8, :64].astype(mx.float16))
 
 
-def fingerprint(model) -> dict:
+def fingerprint(model, shards: Shards = LOCAL) -> dict:
     """What identifies a model for its calibration: shape, RoPE and a hash of a
-    fixed sample of attention weights in fp16 (quantized or not, any OS)."""
+    fixed sample of attention weights in fp16 (quantized or not, any OS).
+    On a split model, the whole model's (`whole_samples`): every rank takes
+    part and gets the same answer."""
     attn = [layer.self_attn for layer in model.layers]
     args = getattr(model, "args", None)
+    layers = shards.num_layers or len(attn)
+    picks = sorted({0, layers // 2, layers - 1})
+    if shards.split:
+        samples = whole_samples(attn, picks, shards)
+    else:
+        samples = [
+            _weight_sample(getattr(attn[i], name))
+            for i in picks
+            for name in ("q_proj", "k_proj")
+        ]
     digest = hashlib.sha256()
-    for i in sorted({0, len(attn) // 2, len(attn) - 1}):
-        for name in ("q_proj", "k_proj"):
-            digest.update(_weight_sample(getattr(attn[i], name)).tobytes())
+    for sample in samples:
+        digest.update(sample.tobytes())
     rope = {
         k: getattr(args, k, None)
         for k in ("rope_theta", "rope_scaling", "rope_traditional")
@@ -225,10 +236,35 @@ def fingerprint(model) -> dict:
     q = attn[0]
     return {
         "model_type": model_type(model),
-        "layers": len(attn),
-        "heads": int(q.n_heads),
-        "kv_heads": int(q.n_kv_heads),
+        "layers": layers,
+        "heads": int(q.n_heads) * shards.size,
+        "kv_heads": int(q.n_kv_heads) * shards.size,
         "head_dim": head_dim(q),
         "rope": json.loads(json.dumps(rope, default=str)),
         "weights_sha256": digest.hexdigest(),
     }
+
+
+def whole_samples(attn: list, picks: list[int], shards: Shards) -> list:
+    """The unsplit model's weight samples of global layers `picks`, summed over
+    the ranks: each is taken by the rank holding that layer (pipeline) and the
+    first rows of its projections (tensor rank 0: a sharded projection keeps
+    a contiguous run of output rows), zeros from every other rank."""
+    names = ("q_proj", "k_proj")
+    shapes = [_weight_sample(getattr(attn[0], n)).shape for n in names] * len(picks)
+    mine = []
+    for i in picks:
+        local = i - shards.layer_offset
+        here = 0 <= local < len(attn) and shards.rank == 0
+        for name in names:
+            mine.append(_weight_sample(getattr(attn[local], name)) if here else None)
+    flat = [
+        np.zeros(shape, np.float16) if m is None or m.shape != shape else m
+        for m, shape in zip(mine, shapes)
+    ]
+    # pipeline stages know no group of their own: the world's is theirs
+    group = shards.group if shards.size > 1 else mx.distributed.init()
+    joined = mx.array(np.concatenate([f.reshape(-1) for f in flat]), mx.float32)
+    summed = np.array(mx.distributed.all_sum(joined, group=group).astype(mx.float16))
+    cuts = np.cumsum([int(np.prod(shape)) for shape in shapes])[:-1]
+    return [part.reshape(shape) for part, shape in zip(np.split(summed, cuts), shapes)]

@@ -59,6 +59,10 @@ def variants() -> list[tuple[str, str, dict]]:
     out.append(("adakv-chunks", "adakv", {**CONTRACT["adakv"], **CHUNKED}))
     kvzip = {**CONTRACT["kvzip"], "layerwise": True}  # (pipeline: per layer)
     out.append(("kvzip-layerwise", "kvzip", kvzip))
+    kvzap = {**CONTRACT["kvzap"], "layerwise": True}
+    out.append(("kvzap-layerwise", "kvzap", kvzap))
+    kvzap = {**CONTRACT["kvzap"], "threshold": 0.0, "budget": 16}
+    out.append(("kvzap-threshold", "kvzap", kvzap))
     for algo in ("h2o", "expected_attention"):  # adakv is in the registry
         opts = {**CONTRACT[algo], "head_budget": "adaptive"}
         out.append((f"{algo}-headadaptive", algo, opts))
@@ -138,16 +142,17 @@ def refusals(group) -> dict:
     except VeloxpatchError as e:
         out["sharded_after_apply"] = str(e)
     patch.restore()
-    # kvzap's scorer file is fitted to the whole model
-    whole = tiny_model("llama", head_dim=HEAD_DIM)
-    opts = resolve_options(whole, CONTRACT["kvzap"])
+    # a kvzap scorer file fitted to another model, read on a split model: every
+    # rank refuses it (the whole model's fingerprint, computed together)
+    other = tiny_model("llama", seed=5, head_dim=HEAD_DIM)
+    opts = resolve_options(other, CONTRACT["kvzap"])
     split = tiny_model("llama", head_dim=HEAD_DIM)
     split.shard(group)
     try:
         veloxpatch.apply(split, "kvzap", **opts)
-        out["kvzap"] = None
+        out["kvzap_other_model"] = None
     except VeloxpatchError as e:
-        out["kvzap"] = str(e)
+        out["kvzap_other_model"] = str(e)
     return out
 
 
@@ -174,10 +179,10 @@ def main(out_dir: str) -> None:
         shards = adapter_for(model).shards(model)
         kv_here = model.layers[0].self_attn.n_kv_heads
         for name, algo, opts in variants():
-            if split == "pipeline" and name == "kvzip":
-                continue  # one threshold over all layers: refused (kvzip.py)
-            if algo == "kvzap":
-                continue  # its scorer file describes the whole model: refused
+            if split == "pipeline" and name in ("kvzip", "kvzap"):
+                continue  # one choice over all layers: refused on a stage
+            if algo == "kvzap":  # the scorer file is fitted to the whole model
+                opts = resolve_options(whole, opts)
             start = time.perf_counter()
             try:
                 got = compare(

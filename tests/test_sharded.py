@@ -92,10 +92,12 @@ def test_every_rank_keeps_what_the_whole_model_keeps(ranks):
     expected = set()
     for algo in veloxpatch.algos():
         expected |= {f"tensor/{algo}", f"pipeline/{algo}"}
-    # kvzip's one threshold over all layers is refused on pipeline stages;
-    # kvzap's scorer file on any split (test_kvzap_refuses_a_split_model)
-    expected = (expected - {"pipeline/kvzip"}) | {"pipeline/kvzip-layerwise"}
-    expected -= {"tensor/kvzap", "pipeline/kvzap"}
+    # kvzip's and kvzap's one choice over all layers is refused on pipeline
+    # stages (per layer it runs)
+    expected -= {"pipeline/kvzip", "pipeline/kvzap"}
+    for split in ("tensor", "pipeline"):
+        expected |= {f"{split}/{v}" for v in ("kvzip-layerwise", "kvzap-layerwise")}
+        expected.add(f"{split}/kvzap-threshold")
     failures = []
     for result in ranks:
         assert result["size"] == RANKS
@@ -121,10 +123,10 @@ def test_heads_that_do_not_divide_are_refused_before_the_first_forward(ranks):
         assert "\n" not in message
 
 
-def test_kvzap_refuses_a_split_model(ranks):
+def test_a_kvzap_scorer_for_another_model_is_refused_on_every_rank(ranks):
     for result in ranks:
-        message = result["refusals"]["kvzap"]
-        assert message is not None and "sharded model" in message
+        message = result["refusals"]["kvzap_other_model"]
+        assert message is not None and "calibrated for another model" in message
         assert "\n" not in message
 
 

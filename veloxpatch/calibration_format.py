@@ -41,16 +41,20 @@ def _patched_layers(dims) -> list[int]:
     return [i for i, sliding in enumerate(dims.sliding) if not sliding]
 
 
-def read_checked(path, dims, fmt: str, what: str, instead="run without the file"):
+def read_checked(
+    path, dims, fmt: str, what: str, instead="run without the file", split_ok=False
+):
     """(arrays, metadata, our fingerprint) of a calibration file, after checking
     that it exists, is readable and intact, has format `fmt` and matches the
-    model of `dims` (its fingerprint)."""
-    if dims.shards.split:
-        # the fingerprint and the per-head arrays describe the whole model
+    model of `dims` (its fingerprint; the whole model's on a split model, where
+    `split_ok`: the caller takes its heads and layers out of the file)."""
+    if dims.shards.split and not split_ok:
+        # the per-head arrays describe the whole model
         raise CalibrationError(
             f"{what} files cannot be used on a sharded model (model.shard or "
             f"pipeline) yet; {instead}"
         )
+    ours = dims.fingerprint  # (split: every rank takes part, before any refusal)
     arrays, meta = load_checked(path, CalibrationError, what)
     if meta.get("format") != fmt:
         raise CalibrationError(
@@ -64,7 +68,6 @@ def read_checked(path, dims, fmt: str, what: str, instead="run without the file"
         theirs = None
     if not isinstance(theirs, dict):
         raise CalibrationError(f"{path}: damaged fingerprint")
-    ours = dims.fingerprint
     if theirs != ours:
         diff = sorted(k for k in ours if theirs.get(k) != ours[k])
         raise CalibrationError(
@@ -192,20 +195,24 @@ def _book_fault(book: dict, kv_heads: int, head_dim: int) -> str | None:
 
 
 def load_scorer(path, dims, hidden: int | None = None) -> list:
-    """Per layer kvzap surrogates {w1, b1[, w2, b2]} (float32; None for
-    sliding-window layers) from `path`, checked against the model of `dims`:
+    """Per layer of the whole model, kvzap surrogates {w1, b1[, w2, b2]}
+    (float32; None for sliding-window layers and, on a split model, layers
+    of other processes) from `path`, checked against the model of `dims`:
     every layer maps the same input width (`hidden`, where the model says it)
-    to one score per KV head, with finite weights."""
+    to one score per KV head, with finite weights. A split model's rank keeps
+    the outputs of its KV heads (the hidden state is whole on every rank)."""
     arrays, meta, ours = read_checked(
-        path, dims, KVZAP_FORMAT, "kvzap scorer", "run kvzap on the whole model"
+        path, dims, KVZAP_FORMAT, "kvzap scorer", split_ok=True
     )
     kind = meta.get("kind")
     if kind not in SCORER_KINDS:
         raise CalibrationError(f"{path}: damaged, surrogate kind {kind!r}")
     names = ("w1", "b1", "w2", "b2") if kind == "mlp" else ("w1", "b1")
+    heads_out = ("w2", "b2") if kind == "mlp" else ("w1", "b1")
     layers = [None] * ours["layers"]
     widths = set()
-    for i in _patched_layers(dims):
+    for local in _patched_layers(dims):
+        i = dims.shards.layer_offset + local
         w = {k: arrays.get(f"layer.{i}.{k}") for k in names}
         if any(v is None for v in w.values()):
             raise CalibrationError(f"{path}: damaged, layer {i} surrogate missing")
@@ -213,6 +220,8 @@ def load_scorer(path, dims, hidden: int | None = None) -> list:
         if why:
             raise CalibrationError(f"{path}: damaged, layer {i} surrogate {why}")
         widths.add(w["w1"].shape[0])
+        for k in heads_out:
+            w[k] = dims.shards.my_heads(w[k], axis=w[k].ndim - 1)
         layers[i] = {k: v.astype(mx.float32) for k, v in w.items()}
     if len(widths) > 1 or (hidden is not None and widths != {hidden}):
         raise CalibrationError(

@@ -127,6 +127,14 @@ class KVzapOptions(EvictionOptions):
                 "kvzap needs scorer=FILE, its surrogates fitted to this model "
                 "(veloxpatch calibrate --algo kvzap --out FILE)"
             )
+        shards = getattr(dims, "shards", None)
+        split = shards is not None and shards.num_layers is not None
+        if split and self.threshold is None and not self.layerwise:
+            raise OptionError(
+                "kvzap's one choice over all layers needs every layer in this "
+                "process; on a pipeline-split model use layerwise=True or a "
+                "threshold"
+            )
         self.loaded = load_scorer(self.scorer, dims, hidden_size(model))
         return super().bind(model, dims)
 
