@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import tiny_model
+from tiny import SCORER, tiny_model
 
 import veloxpatch
-from veloxpatch.errors import CalibrationError, UnsupportedModelError
+from veloxpatch.errors import CalibrationError, OptionError, UnsupportedModelError
 
 HERE = Path(__file__).parent
 RANKS = 2
@@ -175,3 +175,14 @@ def test_calibration_files_are_refused_on_a_split_model():
     model.model.pipeline(TwoRanks(1))
     with pytest.raises(CalibrationError, match="cannot be used on a sharded model"):
         veloxpatch.apply(model, "qfilters", filters="filters.safetensors")
+
+
+def test_kvzap_one_choice_over_all_layers_is_refused_on_a_pipeline_stage():
+    from tiny import resolve_options
+
+    model = tiny_model("qwen2")
+    opts = resolve_options(model, dict(scorer=SCORER, budget=64))
+    model.model.pipeline(TwoRanks(0))
+    with pytest.raises(OptionError, match="layerwise=True or a threshold"):
+        veloxpatch.apply(model, "kvzap", **opts)
+    assert veloxpatch.api.patch_of(model) is None
