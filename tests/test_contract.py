@@ -45,7 +45,7 @@ CONTRACT = {
 }
 QUANTIZED = dict(kv_bits=8, kv_residual=4)
 CHUNKED = dict(compress="chunks", chunk=8)
-# quantized rows stored rotated (TurboQuant), at 8 and at 2 bits
+# quantized rows stored rotated (TurboQuant), at 8 and at 2 bits, and other grids
 ROTATED = [
     ("kivi", dict(CONTRACT["kivi"], kv_rotate="hadamard"), "kivi-rot"),
     ("kivi", dict(CONTRACT["kivi"], kv_keys="token"), "kivi-token"),
@@ -61,6 +61,17 @@ ROTATED = [
             kv_keys="token",
         ),
         "snapkv-kv2-token-rot",
+    ),
+    # TurboQuant's scalar quantizer, and mlx's mxfp4 (4 bits, no biases)
+    (
+        "kivi",
+        dict(bits=2, residual=4, kv_rotate="hadamard", kv_grid="gaussian"),
+        "kivi-gauss",
+    ),
+    (
+        "snapkv",
+        dict(budget=40, window=4, kv_bits=4, kv_residual=4, kv_grid="mxfp4"),
+        "snapkv-mxfp4",
     ),
 ]
 # kvzap's other mode: drop what scores under 0 (about half), capped by a budget

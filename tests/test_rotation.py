@@ -147,3 +147,75 @@ def test_a_head_dim_without_a_hadamard_transform_is_refused():
     with pytest.raises(OptionError, match="head dim 288"):
         veloxpatch.apply(bad, "kivi", bits=4, kv_rotate="hadamard")
     assert veloxpatch.api.patch_of(bad) is None
+
+
+# ---- grids (kv_grid) ----------------------------------------------------------------
+def test_gaussian_step_is_the_mse_optimal_uniform_step_of_max_1960():
+    from veloxpatch.caches.quantized import gaussian_step
+
+    for bits, step in ((2, 0.9957), (3, 0.5860), (4, 0.3352)):
+        assert gaussian_step(bits) == pytest.approx(step, abs=5e-4)
+
+
+def test_gaussian_grid_beats_minmax_on_gaussian_rows_at_2_bits():
+    from veloxpatch.caches.quantized import (
+        gaussian_quantize,
+        gaussian_step,
+        minmax_quantize,
+    )
+
+    x = mx.random.normal((4, 256, 64), key=mx.random.key(3)) * 2.0 + 0.5
+    err = {}
+    for name, fn in (("gaussian", gaussian_quantize), ("minmax", minmax_quantize)):
+        w, s, b = fn(x, 64, 2)
+        back = mx.dequantize(w, s, b, group_size=64, bits=2)
+        err[name] = float(((back - x) ** 2).mean())
+    # the optimal uniform grid's error on N(0.5, 4): 4 x 0.1188 (Max, 1960)
+    assert err["gaussian"] == pytest.approx(4 * 0.1188, rel=0.08)
+    assert err["gaussian"] < 0.85 * err["minmax"]
+    # each group: its mean at the grid's centre, its std x the step between levels
+    w, s, b = gaussian_quantize(x, 64, 2)
+    g = np.array(x, np.float64)
+    s, b = np.array(s[..., 0]), np.array(b[..., 0])  # one group a row
+    np.testing.assert_allclose(s, g.std(-1) * gaussian_step(2), rtol=1e-4)
+    np.testing.assert_allclose(b + 1.5 * s, g.mean(-1), atol=1e-4)
+    # a constant group is its value exactly
+    const = mx.full((1, 64), 3.25)
+    w, s, b = gaussian_quantize(const, 32, 2)
+    assert mx.array_equal(mx.dequantize(w, s, b, group_size=32, bits=2), const)
+
+
+@pytest.mark.parametrize("keys", ["channel", "token"])
+@pytest.mark.parametrize(
+    "grid,bits", [("gaussian", 2), ("gaussian", 3), ("mlx", 2), ("mxfp4", 4)]
+)
+def test_every_grid_reads_equal_dense_reads_and_survives_save(grid, bits, keys):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(bits), 4)
+    rows_k = mx.random.normal((1, 2, 64, D), key=k1)
+    values = mx.random.normal((1, 2, 64, D), key=k2)
+    store = QuantizedStore((bits, bits), GROUP, rotation_signs(2, D, 0), keys, grid)
+    store.append(rows_k, values)
+    store.take_groups(mx.array([[[1, 0], [0, 1]]]))
+    store.truncate(GROUP)
+    dk, dv = store.dequantize(mx.float32)
+    q = mx.random.normal((1, 2, 5, D), key=k3)
+    p = mx.softmax(mx.random.normal((1, 2, 5, GROUP), key=k4), axis=-1)
+    assert rel(store.logits(q), q @ dk.swapaxes(-1, -2)) < 1e-5
+    assert rel(store.weighted(p), p @ dv) < 1e-5
+    kept = mx.stack([rows_k[0, 0, GROUP:], rows_k[0, 1, :GROUP]])[None]
+    assert rel(dk, kept) < {2: 0.8, 3: 0.4, 4: 0.3}[bits]
+    st = QuantizedStore.from_state(store.state(), GROUP)
+    assert st.grid == grid and mx.array_equal(st.dequantize(mx.float32)[0], dk)
+    biases = [n for n in store.state() if n.endswith("b")]
+    assert (grid == "mxfp4") == (not biases)  # mxfp4 keeps no biases
+
+
+def test_grid_options_are_checked():
+    with pytest.raises(OptionError, match="kv_grid"):
+        veloxpatch.api.make_options("kivi", {"kv_grid": "lloyd"})
+    with pytest.raises(OptionError, match="4 bits in groups of 32"):
+        veloxpatch.api.make_options("kivi", {"bits": 2, "kv_grid": "mxfp4"})
+    with pytest.raises(OptionError, match="needs kv_bits"):
+        veloxpatch.api.make_options("snapkv", {"kv_grid": "gaussian"})
+    _, opts = veloxpatch.api.make_options("snapkv", {"kv_bits": 4, "kv_grid": "mxfp4"})
+    assert opts.kv_grid == "mxfp4"

@@ -49,7 +49,8 @@ class EvictionOptions(CacheOptions):
     channel over `kv_group` rows, values per row, the newest `kv_residual` rows in
     full precision (see `kv_bits.py`); `kv_keys="token"` quantizes keys per row
     instead; `kv_rotate="hadamard"` stores them rotated by a random Hadamard
-    transform per head (TurboQuant, `quantized.py`).
+    transform per head (TurboQuant, `quantized.py`); `kv_grid`: "minmax",
+    "mlx", "gaussian" (TurboQuant's scalar quantizer) or "mxfp4".
     `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
     (Ada-KV: a layer's heads share budget x heads rows by their scores, each
     keeping at least the fraction `alpha`, default 0.2, of the uniform share;
@@ -66,6 +67,7 @@ class EvictionOptions(CacheOptions):
     target_bits: float | None = None
     kv_rotate: str | None = None
     kv_keys: str = "channel"
+    kv_grid: str = "minmax"
     head_budget: str = "uniform"
     alpha: float | None = None
     max_kv_bytes: int | str | None = None
@@ -129,13 +131,14 @@ class EvictionOptions(CacheOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        from .kv_bits import check_quant, check_rotate
+        from .kv_bits import check_grid, check_quant, check_rotate
 
         # kv_group and kv_residual are checked even while kv_bits is unset.
         check_quant(
             self.kv_bits, self.kv_group, self.kv_residual, self.target_bits, "kv_"
         )
         check_rotate(self.kv_rotate, self.kv_keys, self.kv_bits, "kv_")
+        check_grid(self.kv_grid, self.kv_bits, self.kv_group, "kv_")
         check_int("sinks", self.sinks, 0)
         check_int("budget", self.budget, 1)
         check_choice("head_budget", self.head_budget, HEAD_BUDGETS)

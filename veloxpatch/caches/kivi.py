@@ -20,6 +20,7 @@ import dataclasses
 from .base import VeloxCache
 from .kv_bits import (
     QuantizedKV,
+    check_grid,
     check_group_divides,
     check_quant,
     check_rotatable,
@@ -35,7 +36,9 @@ class KIVIOptions(CacheOptions):
     group. `residual`: newest tokens always kept in full precision.
     `kv_rotate="hadamard"`: quantized rows stored rotated by a random Hadamard
     transform per head (TurboQuant, `quantized.py`). `kv_keys="token"`: keys
-    quantized per token, along channels, as values (KIVI's are per channel)."""
+    quantized per token, along channels, as values (KIVI's are per channel).
+    `kv_grid`: "minmax" (the paper's), "mlx" (mx.quantize), "gaussian"
+    (TurboQuant's scalar quantizer) or "mxfp4" (`quantized.py`)."""
 
     bits: int | str = 2
     group: int = 32
@@ -43,11 +46,13 @@ class KIVIOptions(CacheOptions):
     target_bits: float | None = None
     kv_rotate: str | None = None
     kv_keys: str = "channel"
+    kv_grid: str = "minmax"
 
     def __post_init__(self):
         super().__post_init__()
         check_quant(self.bits, self.group, self.residual, self.target_bits)
         check_rotate(self.kv_rotate, self.kv_keys, self.bits)
+        check_grid(self.kv_grid, self.bits, self.group)
 
     def bind(self, model, dims):
         check_group_divides(dims, self.group)

@@ -35,6 +35,7 @@ from .kv_options import (  # noqa: F401  (the names callers import from here)
     ENTROPY_WINDOW,
     GROUPS,
     allocate_bits,
+    check_grid,
     check_group_divides,
     check_quant,
     check_rotatable,
@@ -266,7 +267,8 @@ class QuantizedKV:
             H, D = self.keys.shape[1], self.keys.shape[3]
             every = rotation_signs(H * self.shards.size, D, self.layer)
             signs = self.shards.my_heads(every, axis=0)
-        return QuantizedStore(bits, self.options.kv_group, signs, self.options.kv_keys)
+        o = self.options
+        return QuantizedStore(bits, o.kv_group, signs, o.kv_keys, o.kv_grid)
 
     def side_arrays(self):
         side = super().side_arrays() + [self.keys, self.values]

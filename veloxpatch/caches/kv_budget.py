@@ -93,6 +93,8 @@ def slot_bytes(options, head_dim: int, dtype_size: int, quantized: bool) -> int:
     bits = options.kv_bits
     if bits == "adaptive":
         bits = options.target_bits
+    if getattr(options, "kv_grid", "minmax") == "mxfp4":  # one uint8 scale a group
+        return 2 * head_dim * bits / 8 + 2 * head_dim / options.kv_group
     return 2 * head_dim * bits / 8 + 4 * head_dim * dtype_size / options.kv_group
 
 

@@ -12,6 +12,7 @@ from .options import check_choice, check_int
 BITS = (2, 3, 4, 8)
 ROTATIONS = (None, "hadamard")
 KEY_GROUPS = ("channel", "token")  # keys quantized per channel (KIVI) or per token
+GRIDS = ("minmax", "mlx", "gaussian", "mxfp4")  # quantized.py's grids
 GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
 ADAPTIVE_WIDTHS = (2, 3, 4)
 ENTROPY_WINDOW = 32  # last prompt queries whose attention sets adaptive widths
@@ -48,6 +49,21 @@ def check_rotate(rotate, keys, bits, prefix: str = "") -> None:
     if rotate is not None and bits is None:
         raise OptionError(
             f"kv_rotate={rotate!r} needs {prefix}bits: it rotates quantized rows"
+        )
+
+
+def check_grid(grid, bits, group, prefix: str = "") -> None:
+    """`kv_grid`: one of GRIDS; "mxfp4" is mlx's 4-bit microscaling format, in
+    groups of 32; any grid but the default needs quantized rows."""
+    check_choice("kv_grid", grid, GRIDS)
+    if grid == "minmax":
+        return
+    if bits is None:
+        raise OptionError(f"kv_grid={grid!r} needs {prefix}bits: it grids their rows")
+    if grid == "mxfp4" and (bits != 4 or group != 32):
+        raise OptionError(
+            f"kv_grid='mxfp4' is 4 bits in groups of 32: set {prefix}bits=4 and "
+            f"{prefix}group=32 (got {bits!r} and {group!r})"
         )
 
 

@@ -17,10 +17,18 @@ in whole groups; a group of keys shares its scales, so rows are never taken out
 one by one: whole groups are gathered per head (`take_groups`), anything else is
 requantized (`rebuild`).
 
-Which grid: `QUANTIZER` "mlx" is `mx.quantize` (affine, its grid snapped so
-that 0 is exact); "minmax" is the paper's asymmetric min/max grid (scale
-(max - min) / (2^bits - 1), zero point min) packed in the same layout. Both
-run on the same kernels; scripts/quantizer_kl.py compares them on SmolLM2.
+Which grid (`kv_grid`): "minmax" (the default) is the paper's asymmetric
+min/max grid (scale (max - min) / (2^bits - 1), zero point min); "mlx" is
+`mx.quantize` (affine, its grid snapped so that 0 is exact); "gaussian" is
+TurboQuant's scalar quantizer as mlx's kernels can read it: after a rotation
+each coordinate is close to Gaussian, so each group is quantized on the
+MSE-optimal uniform grid of a Gaussian with the group's mean and standard
+deviation (TurboQuant's Lloyd-Max levels are not uniform, which the affine
+kernels cannot express; the uniform grid's error is within 1.1% of theirs at
+2 bits, 8% at 3, `gaussian_step`). The three share one layout and kernels.
+"mxfp4" is mlx's microscaling 4-bit float (e2m1 codes, one shared 8-bit
+exponent per 32 values, no bias), read by the same kernels in its mode.
+scripts/quantizer_kl.py and scripts/rotated_grid.py compare them on SmolLM2.
 
 Rotation (`kv_rotate="hadamard"`, TurboQuant / QuaRot): each head's keys and
 values are stored as x M, M = diag(signs) H / sqrt(D) (random signs per head and
@@ -33,9 +41,13 @@ dequantized copies) sees unrotated rows.
 
 from __future__ import annotations
 
-import mlx.core as mx
+import functools
 
-QUANTIZER = "minmax"
+import mlx.core as mx
+import numpy as np
+
+# the code of each grid in a saved cache's state (absent: minmax)
+GRID_CODES = {"minmax": 0, "mlx": 1, "gaussian": 2, "mxfp4": 3}
 
 
 def pack(codes: mx.array, bits: int) -> mx.array:
@@ -73,10 +85,61 @@ def minmax_quantize(x: mx.array, group: int, bits: int):
     return pack(codes, bits), scales[..., 0], biases[..., 0]
 
 
-def quantize(x: mx.array, group: int, bits: int):
-    """(words, scales, biases) of x along its last axis, groups of `group`."""
-    if QUANTIZER == "minmax":
+@functools.cache
+def gaussian_step(bits: int) -> float:
+    """The step, in standard deviations, of the b-bit uniform quantizer (levels
+    symmetric about the mean, outer cells unbounded) of least mean squared error
+    on a Gaussian: 0.9957 at 2 bits, 0.5860 at 3, 0.3352 at 4 (Max, 1960)."""
+    x = np.linspace(-8.0, 8.0, 100_001)
+    weight = np.exp(-0.5 * x * x)
+    weight /= weight.sum()
+    n = 2**bits
+
+    def mse(step):
+        codes = np.clip(np.round(x / step + (n - 1) / 2), 0, n - 1)
+        return float((weight * (x - (codes - (n - 1) / 2) * step) ** 2).sum())
+
+    lo, hi = 1e-3, 4.0  # golden-section search: the error is unimodal in the step
+    ratio = (5**0.5 - 1) / 2
+    for _ in range(50):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if mse(a) < mse(b):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
+
+
+def gaussian_quantize(x: mx.array, group: int, bits: int):
+    """TurboQuant's scalar quantizer on mlx's affine layout: each group on the
+    `gaussian_step` grid of its own mean and standard deviation, centred on
+    the mean; a constant group is its mean exactly."""
+    *lead, n = x.shape
+    g = x.astype(mx.float32).reshape(*lead, n // group, group)
+    mean = g.mean(-1, keepdims=True)
+    std = mx.sqrt(((g - mean) ** 2).mean(-1, keepdims=True))
+    levels = 2**bits - 1
+    step = (std * gaussian_step(bits)).astype(x.dtype)
+    biases = (mean - step.astype(mx.float32) * (levels / 2)).astype(x.dtype)
+    s = step.astype(mx.float32)
+    spread = s > 0
+    codes = mx.round((g - biases.astype(mx.float32)) / mx.where(spread, s, 1.0))
+    codes = mx.where(spread, mx.clip(codes, 0, levels), 0)
+    biases = mx.where(spread, biases, mean.astype(x.dtype))
+    codes = codes.astype(mx.uint32).reshape(*lead, n)
+    return pack(codes, bits), step[..., 0], biases[..., 0]
+
+
+def quantize(x: mx.array, group: int, bits: int, grid: str = "minmax"):
+    """(words, scales, biases) of x along its last axis, groups of `group`
+    (biases None for mxfp4)."""
+    if grid == "minmax":
         return minmax_quantize(x, group, bits)
+    if grid == "gaussian":
+        return gaussian_quantize(x, group, bits)
+    if grid == "mxfp4":
+        words, scales = mx.quantize(x, group_size=group, bits=bits, mode="mxfp4")
+        return words, scales, None
     return mx.quantize(x, group_size=group, bits=bits)
 
 
@@ -110,14 +173,22 @@ class QuantizedRows:
     Keys per channel (KIVI): `kw` [B, H, D, T/32*bits], `ks`, `kb` [B, H, D,
     T/group]; per token (`keys="token"`, as values and mlx-lm's cache): `kw`
     [B, H, T, D/32*bits], `ks`, `kb` [B, H, T, D/group].
-    Values: `vw` [B, H, T, D/32*bits], `vs`, `vb` [B, H, T, D/group]."""
+    Values: `vw` [B, H, T, D/32*bits], `vs`, `vb` [B, H, T, D/group].
+    `grid`: module doc (mxfp4 has no biases: `kb` and `vb` stay None)."""
 
     NAMES = ("kw", "ks", "kb", "vw", "vs", "vb")
 
-    def __init__(self, bits: int, group: int, keys: str = "channel"):
-        self.bits, self.group, self.keys = bits, group, keys
+    def __init__(
+        self, bits: int, group: int, keys: str = "channel", grid: str = "minmax"
+    ):
+        self.bits, self.group, self.keys, self.grid = bits, group, keys, grid
+        self.mode = "mxfp4" if grid == "mxfp4" else "affine"
         for name in self.NAMES:
             setattr(self, name, None)
+
+    def _held(self) -> tuple[str, ...]:
+        """The names of the arrays this grid stores."""
+        return tuple(n for n in self.NAMES if self.mode == "affine" or n[1] != "b")
 
     def _per_token(self) -> tuple[str, ...]:
         """The arrays stored a row per token: [B, H, T, ...]."""
@@ -129,18 +200,31 @@ class QuantizedRows:
 
     def _qmm(self, x, w, s, b, transpose=False):
         return mx.quantized_matmul(
-            x, w, s, b, transpose=transpose, group_size=self.group, bits=self.bits
+            x,
+            w,
+            s,
+            b,
+            transpose=transpose,
+            group_size=self.group,
+            bits=self.bits,
+            mode=self.mode,
         )
+
+    def _dq(self, w, s, b):
+        g, bits = self.group, self.bits
+        return mx.dequantize(w, s, b, group_size=g, bits=bits, mode=self.mode)
 
     def append(self, k: mx.array, v: mx.array) -> None:
         """Quantize and add rows [B, H, n, D]; n is a multiple of `group`."""
         token = self.keys == "token"
-        kw, ks, kb = quantize(k if token else k.swapaxes(-1, -2), self.group, self.bits)
-        vw, vs, vb = quantize(v, self.group, self.bits)
+        g, b, grid = self.group, self.bits, self.grid
+        kw, ks, kb = quantize(k if token else k.swapaxes(-1, -2), g, b, grid)
+        vw, vs, vb = quantize(v, g, b, grid)
         new = dict(kw=kw, ks=ks, kb=kb, vw=vw, vs=vs, vb=vb)
         rows = self._per_token()
-        for name, a in new.items():
-            setattr(self, name, _cat(getattr(self, name), a, 2 if name in rows else -1))
+        for name in self._held():
+            a = _cat(getattr(self, name), new[name], 2 if name in rows else -1)
+            setattr(self, name, a)
 
     def logits(self, q: mx.array) -> mx.array:
         """q [B, H, M, D] . K^T -> [B, H, M, T]."""
@@ -152,9 +236,8 @@ class QuantizedRows:
 
     def dequantize(self, dtype) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H, T, D] in `dtype` (computed, never stored)."""
-        g, b = self.group, self.bits
-        keys = mx.dequantize(self.kw, self.ks, self.kb, group_size=g, bits=b)
-        values = mx.dequantize(self.vw, self.vs, self.vb, group_size=g, bits=b)
+        keys = self._dq(self.kw, self.ks, self.kb)
+        values = self._dq(self.vw, self.vs, self.vb)
         if self.keys != "token":
             keys = keys.swapaxes(-1, -2)
         return keys.astype(dtype), values.astype(dtype)
@@ -166,7 +249,7 @@ class QuantizedRows:
         G = T // self.group
         out = {}
         rows = self._per_token()
-        for name in self.NAMES:
+        for name in self._held():
             a = getattr(self, name)
             if name in rows:  # [B, H, T, x] -> [B, H, G, group*x]
                 out[name] = (a.reshape(B, H, G, -1), 2)
@@ -195,7 +278,7 @@ class QuantizedRows:
         of head h is the old group gid[b, h, j] unchanged where exact[b, h, j]
         (its rows are exactly that group's, in order)."""
         old = self._by_group() if self.vw is not None else None
-        self.__init__(self.bits, self.group, self.keys)
+        self.__init__(self.bits, self.group, self.keys, self.grid)
         if k.shape[2] == 0:
             return
         self.append(k, v)
@@ -217,10 +300,10 @@ class QuantizedRows:
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` (a multiple of `group`)."""
         if rows == 0:
-            self.__init__(self.bits, self.group, self.keys)
+            self.__init__(self.bits, self.group, self.keys, self.grid)
             return
         T = self.rows
-        for name in self.NAMES:
+        for name in self._held():
             a = getattr(self, name)
             if name in self._per_token():
                 setattr(self, name, a[:, :, :rows])
@@ -231,10 +314,10 @@ class QuantizedRows:
         return [a for a in (getattr(self, n) for n in self.NAMES) if a is not None]
 
     def state(self, prefix: str) -> dict:
-        return {f"{prefix}.{n}": getattr(self, n) for n in self.NAMES if self.rows}
+        return {f"{prefix}.{n}": getattr(self, n) for n in self._held() if self.rows}
 
     def load(self, st: dict, prefix: str) -> None:
-        for n in self.NAMES:
+        for n in self._held():
             setattr(self, n, st.get(f"{prefix}.{n}"))
 
 
@@ -246,14 +329,20 @@ class QuantizedStore:
     `arrays()` (the bytes held) leaves them out."""
 
     def __init__(
-        self, bits: tuple[int, ...], group: int, signs=None, keys: str = "channel"
+        self,
+        bits: tuple[int, ...],
+        group: int,
+        signs=None,
+        keys: str = "channel",
+        grid: str = "minmax",
     ):
         self.bits, self.group, self.signs, self.keys = tuple(bits), group, signs, keys
+        self.grid = grid
         self.widths = sorted(set(self.bits))
         self.heads = [
             [h for h, b in enumerate(self.bits) if b == w] for w in self.widths
         ]
-        self.parts = [QuantizedRows(w, group, keys) for w in self.widths]
+        self.parts = [QuantizedRows(w, group, keys, grid) for w in self.widths]
         order = [h for heads in self.heads for h in heads]
         self.inverse = None
         if order != list(range(len(order))):
@@ -314,7 +403,7 @@ class QuantizedStore:
             part.truncate(rows)
 
     def clone(self) -> QuantizedStore:
-        new = QuantizedStore(self.bits, self.group, self.signs, self.keys)
+        new = QuantizedStore(self.bits, self.group, self.signs, self.keys, self.grid)
         for src, dst in zip(self.parts, new.parts):
             dst.load(src.state("p"), "p")
         return new
@@ -332,6 +421,8 @@ class QuantizedStore:
             st["q.signs"] = self.signs
         if self.keys == "token":  # absent: per channel, as files before it
             st["q.token_keys"] = mx.array([1], dtype=mx.int32)
+        if self.grid != "minmax":  # absent: minmax, as files before it
+            st["q.grid"] = mx.array([GRID_CODES[self.grid]], dtype=mx.int32)
         for w, part in zip(self.widths, self.parts):
             st.update(part.state(f"q{w}"))
         return st
@@ -341,7 +432,12 @@ class QuantizedStore:
         if "q.bits" not in st:
             return None
         keys = "token" if "q.token_keys" in st else "channel"
-        store = cls(tuple(st["q.bits"].tolist()), group, st.get("q.signs"), keys)
+        code = int(st["q.grid"].item()) if "q.grid" in st else 0
+        grid = next((g for g, c in GRID_CODES.items() if c == code), None)
+        if grid is None:
+            raise ValueError(f"unknown quantization grid code {code}")
+        bits = tuple(st["q.bits"].tolist())
+        store = cls(bits, group, st.get("q.signs"), keys, grid)
         for w, part in zip(store.widths, store.parts):
             part.load(st, f"q{w}")
         return store
