@@ -59,13 +59,20 @@ ROTATED = [
             kv_residual=4,
             kv_rotate="hadamard",
             kv_keys="token",
+            kv_scales="float16",
         ),
         "snapkv-kv2-token-rot",
     ),
     # TurboQuant's scalar quantizer, and mlx's mxfp4 (4 bits, no biases)
     (
         "kivi",
-        dict(bits=2, residual=4, kv_rotate="hadamard", kv_grid="gaussian"),
+        dict(
+            bits=2,
+            residual=4,
+            kv_rotate="hadamard",
+            kv_grid="gaussian",
+            kv_scales="float16",
+        ),
         "kivi-gauss",
     ),
     (

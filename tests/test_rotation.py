@@ -219,3 +219,30 @@ def test_grid_options_are_checked():
         veloxpatch.api.make_options("snapkv", {"kv_grid": "gaussian"})
     _, opts = veloxpatch.api.make_options("snapkv", {"kv_bits": 4, "kv_grid": "mxfp4"})
     assert opts.kv_grid == "mxfp4"
+
+
+@pytest.mark.parametrize("grid", ["minmax", "gaussian", "mlx"])
+def test_fp16_scales_halve_their_bytes_and_read_as_dense(grid):
+    rows = mx.random.normal((1, 2, 64, D), key=mx.random.key(9))
+    stores = {}
+    for scales in ("model", "float16"):
+        store = QuantizedStore((2, 2), GROUP, None, "channel", grid, scales)
+        store.append(rows, rows)
+        stores[scales] = store
+    wide, half = stores["model"], stores["float16"]
+    assert half.parts[0].ks.dtype == half.parts[0].vb.dtype == mx.float16
+    codes = sum(a.nbytes for a in half.arrays() if a.dtype == mx.uint32)
+    assert half.nbytes - codes == (wide.nbytes - codes) // 2
+    dk, dv = half.dequantize(mx.float32)
+    q = mx.random.normal((1, 2, 3, D), key=mx.random.key(10))
+    assert rel(half.logits(q), q @ dk.swapaxes(-1, -2)) < 1e-5
+    # the same grid with its scales rounded: as close to the rows
+    err = [
+        float(mx.linalg.norm(k - rows) / mx.linalg.norm(rows))
+        for k in (dk, wide.dequantize(mx.float32)[0])
+    ]
+    assert err[0] == pytest.approx(err[1], rel=0.05)
+    back = QuantizedStore.from_state(half.state(), GROUP)
+    assert back.scales == "float16" and mx.array_equal(
+        back.dequantize(mx.float32)[0], dk
+    )

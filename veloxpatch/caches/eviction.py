@@ -50,7 +50,8 @@ class EvictionOptions(CacheOptions):
     full precision (see `kv_bits.py`); `kv_keys="token"` quantizes keys per row
     instead; `kv_rotate="hadamard"` stores them rotated by a random Hadamard
     transform per head (TurboQuant, `quantized.py`); `kv_grid`: "minmax",
-    "mlx", "gaussian" (TurboQuant's scalar quantizer) or "mxfp4".
+    "mlx", "gaussian" (TurboQuant's scalar quantizer) or "mxfp4"; `kv_scales=
+    "float16"`: each group's scale and bias in fp16 (default: the model's dtype).
     `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
     (Ada-KV: a layer's heads share budget x heads rows by their scores, each
     keeping at least the fraction `alpha`, default 0.2, of the uniform share;
@@ -68,6 +69,7 @@ class EvictionOptions(CacheOptions):
     kv_rotate: str | None = None
     kv_keys: str = "channel"
     kv_grid: str = "minmax"
+    kv_scales: str = "model"
     head_budget: str = "uniform"
     alpha: float | None = None
     max_kv_bytes: int | str | None = None
@@ -138,7 +140,7 @@ class EvictionOptions(CacheOptions):
             self.kv_bits, self.kv_group, self.kv_residual, self.target_bits, "kv_"
         )
         check_rotate(self.kv_rotate, self.kv_keys, self.kv_bits, "kv_")
-        check_grid(self.kv_grid, self.kv_bits, self.kv_group, "kv_")
+        check_grid(self.kv_grid, self.kv_bits, self.kv_group, "kv_", self.kv_scales)
         check_int("sinks", self.sinks, 0)
         check_int("budget", self.budget, 1)
         check_choice("head_budget", self.head_budget, HEAD_BUDGETS)

@@ -38,7 +38,8 @@ class KIVIOptions(CacheOptions):
     transform per head (TurboQuant, `quantized.py`). `kv_keys="token"`: keys
     quantized per token, along channels, as values (KIVI's are per channel).
     `kv_grid`: "minmax" (the paper's), "mlx" (mx.quantize), "gaussian"
-    (TurboQuant's scalar quantizer) or "mxfp4" (`quantized.py`)."""
+    (TurboQuant's scalar quantizer) or "mxfp4" (`quantized.py`). `kv_scales=
+    "float16"`: each group's scale and bias in fp16 (default: the model's)."""
 
     bits: int | str = 2
     group: int = 32
@@ -47,12 +48,13 @@ class KIVIOptions(CacheOptions):
     kv_rotate: str | None = None
     kv_keys: str = "channel"
     kv_grid: str = "minmax"
+    kv_scales: str = "model"
 
     def __post_init__(self):
         super().__post_init__()
         check_quant(self.bits, self.group, self.residual, self.target_bits)
         check_rotate(self.kv_rotate, self.kv_keys, self.bits)
-        check_grid(self.kv_grid, self.bits, self.group)
+        check_grid(self.kv_grid, self.bits, self.group, scales=self.kv_scales)
 
     def bind(self, model, dims):
         check_group_divides(dims, self.group)

@@ -268,7 +268,9 @@ class QuantizedKV:
             every = rotation_signs(H * self.shards.size, D, self.layer)
             signs = self.shards.my_heads(every, axis=0)
         o = self.options
-        return QuantizedStore(bits, o.kv_group, signs, o.kv_keys, o.kv_grid)
+        return QuantizedStore(
+            bits, o.kv_group, signs, o.kv_keys, o.kv_grid, o.kv_scales
+        )
 
     def side_arrays(self):
         side = super().side_arrays() + [self.keys, self.values]

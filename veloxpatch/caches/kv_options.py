@@ -13,6 +13,7 @@ BITS = (2, 3, 4, 8)
 ROTATIONS = (None, "hadamard")
 KEY_GROUPS = ("channel", "token")  # keys quantized per channel (KIVI) or per token
 GRIDS = ("minmax", "mlx", "gaussian", "mxfp4")  # quantized.py's grids
+SCALES = ("model", "float16")  # the dtype of a quantized group's scale and bias
 GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
 ADAPTIVE_WIDTHS = (2, 3, 4)
 ENTROPY_WINDOW = 32  # last prompt queries whose attention sets adaptive widths
@@ -52,10 +53,14 @@ def check_rotate(rotate, keys, bits, prefix: str = "") -> None:
         )
 
 
-def check_grid(grid, bits, group, prefix: str = "") -> None:
+def check_grid(grid, bits, group, prefix: str = "", scales="model") -> None:
     """`kv_grid`: one of GRIDS; "mxfp4" is mlx's 4-bit microscaling format, in
-    groups of 32; any grid but the default needs quantized rows."""
+    groups of 32; `kv_scales`: one of SCALES. Any but the defaults need
+    quantized rows."""
     check_choice("kv_grid", grid, GRIDS)
+    check_choice("kv_scales", scales, SCALES)
+    if scales != "model" and bits is None:
+        raise OptionError(f"kv_scales={scales!r} needs {prefix}bits")
     if grid == "minmax":
         return
     if bits is None:

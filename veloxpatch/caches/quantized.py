@@ -71,14 +71,15 @@ def pack(codes: mx.array, bits: int) -> mx.array:
     return words.astype(mx.uint32).reshape(*lead, n // 32 * bits)
 
 
-def minmax_quantize(x: mx.array, group: int, bits: int):
+def minmax_quantize(x: mx.array, group: int, bits: int, dtype=None):
     """The paper's grid in mlx's layout: (words, scales, biases) along the last
-    axis, scales and biases in x's dtype."""
+    axis, scales and biases in `dtype` (default x's)."""
     *lead, n = x.shape
+    dtype = dtype or x.dtype
     g = x.astype(mx.float32).reshape(*lead, n // group, group)
     lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
-    scales = ((hi - lo) / (2**bits - 1)).astype(x.dtype)
-    biases = lo.astype(x.dtype)
+    scales = ((hi - lo) / (2**bits - 1)).astype(dtype)
+    biases = lo.astype(dtype)
     s = mx.maximum(scales.astype(mx.float32), 1e-12)  # a constant group: code 0
     codes = mx.round((g - biases.astype(mx.float32)) / s)
     codes = mx.clip(codes, 0, 2**bits - 1).astype(mx.uint32).reshape(*lead, n)
@@ -110,37 +111,40 @@ def gaussian_step(bits: int) -> float:
     return (lo + hi) / 2
 
 
-def gaussian_quantize(x: mx.array, group: int, bits: int):
+def gaussian_quantize(x: mx.array, group: int, bits: int, dtype=None):
     """TurboQuant's scalar quantizer on mlx's affine layout: each group on the
     `gaussian_step` grid of its own mean and standard deviation, centred on
-    the mean; a constant group is its mean exactly."""
+    the mean; a constant group is its mean exactly. Scales and biases in
+    `dtype` (default x's)."""
     *lead, n = x.shape
+    dtype = dtype or x.dtype
     g = x.astype(mx.float32).reshape(*lead, n // group, group)
     mean = g.mean(-1, keepdims=True)
     std = mx.sqrt(((g - mean) ** 2).mean(-1, keepdims=True))
     levels = 2**bits - 1
-    step = (std * gaussian_step(bits)).astype(x.dtype)
-    biases = (mean - step.astype(mx.float32) * (levels / 2)).astype(x.dtype)
+    step = (std * gaussian_step(bits)).astype(dtype)
+    biases = (mean - step.astype(mx.float32) * (levels / 2)).astype(dtype)
     s = step.astype(mx.float32)
     spread = s > 0
     codes = mx.round((g - biases.astype(mx.float32)) / mx.where(spread, s, 1.0))
     codes = mx.where(spread, mx.clip(codes, 0, levels), 0)
-    biases = mx.where(spread, biases, mean.astype(x.dtype))
+    biases = mx.where(spread, biases, mean.astype(dtype))
     codes = codes.astype(mx.uint32).reshape(*lead, n)
     return pack(codes, bits), step[..., 0], biases[..., 0]
 
 
-def quantize(x: mx.array, group: int, bits: int, grid: str = "minmax"):
-    """(words, scales, biases) of x along its last axis, groups of `group`
-    (biases None for mxfp4)."""
+def quantize(x: mx.array, group: int, bits: int, grid: str = "minmax", dtype=None):
+    """(words, scales, biases) of x along its last axis, groups of `group`,
+    scales and biases in `dtype` (default x's; biases None for mxfp4, whose
+    scales are 8-bit exponents)."""
     if grid == "minmax":
-        return minmax_quantize(x, group, bits)
+        return minmax_quantize(x, group, bits, dtype)
     if grid == "gaussian":
-        return gaussian_quantize(x, group, bits)
+        return gaussian_quantize(x, group, bits, dtype)
     if grid == "mxfp4":
         words, scales = mx.quantize(x, group_size=group, bits=bits, mode="mxfp4")
         return words, scales, None
-    return mx.quantize(x, group_size=group, bits=bits)
+    return mx.quantize(x if dtype is None else x.astype(dtype), group, bits)
 
 
 def rotate(x: mx.array, signs: mx.array) -> mx.array:
@@ -174,14 +178,22 @@ class QuantizedRows:
     T/group]; per token (`keys="token"`, as values and mlx-lm's cache): `kw`
     [B, H, T, D/32*bits], `ks`, `kb` [B, H, T, D/group].
     Values: `vw` [B, H, T, D/32*bits], `vs`, `vb` [B, H, T, D/group].
-    `grid`: module doc (mxfp4 has no biases: `kb` and `vb` stay None)."""
+    `grid`: module doc (mxfp4 has no biases: `kb` and `vb` stay None).
+    `scales`: "model" (scales and biases in the rows' dtype) or "float16"."""
 
     NAMES = ("kw", "ks", "kb", "vw", "vs", "vb")
 
     def __init__(
-        self, bits: int, group: int, keys: str = "channel", grid: str = "minmax"
+        self,
+        bits: int,
+        group: int,
+        keys: str = "channel",
+        grid: str = "minmax",
+        scales: str = "model",
     ):
         self.bits, self.group, self.keys, self.grid = bits, group, keys, grid
+        self.scales = scales
+        self.dtype = mx.float16 if scales == "float16" else None
         self.mode = "mxfp4" if grid == "mxfp4" else "affine"
         for name in self.NAMES:
             setattr(self, name, None)
@@ -212,14 +224,16 @@ class QuantizedRows:
 
     def _dq(self, w, s, b):
         g, bits = self.group, self.bits
+        if self.dtype is not None:  # fp16 scales: dequantize in fp32, as the kernel
+            s, b = s.astype(mx.float32), b.astype(mx.float32)
         return mx.dequantize(w, s, b, group_size=g, bits=bits, mode=self.mode)
 
     def append(self, k: mx.array, v: mx.array) -> None:
         """Quantize and add rows [B, H, n, D]; n is a multiple of `group`."""
         token = self.keys == "token"
-        g, b, grid = self.group, self.bits, self.grid
-        kw, ks, kb = quantize(k if token else k.swapaxes(-1, -2), g, b, grid)
-        vw, vs, vb = quantize(v, g, b, grid)
+        g, b, grid, dt = self.group, self.bits, self.grid, self.dtype
+        kw, ks, kb = quantize(k if token else k.swapaxes(-1, -2), g, b, grid, dt)
+        vw, vs, vb = quantize(v, g, b, grid, dt)
         new = dict(kw=kw, ks=ks, kb=kb, vw=vw, vs=vs, vb=vb)
         rows = self._per_token()
         for name in self._held():
@@ -278,7 +292,7 @@ class QuantizedRows:
         of head h is the old group gid[b, h, j] unchanged where exact[b, h, j]
         (its rows are exactly that group's, in order)."""
         old = self._by_group() if self.vw is not None else None
-        self.__init__(self.bits, self.group, self.keys, self.grid)
+        self.__init__(self.bits, self.group, self.keys, self.grid, self.scales)
         if k.shape[2] == 0:
             return
         self.append(k, v)
@@ -300,7 +314,7 @@ class QuantizedRows:
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` (a multiple of `group`)."""
         if rows == 0:
-            self.__init__(self.bits, self.group, self.keys, self.grid)
+            self.__init__(self.bits, self.group, self.keys, self.grid, self.scales)
             return
         T = self.rows
         for name in self._held():
@@ -335,14 +349,15 @@ class QuantizedStore:
         signs=None,
         keys: str = "channel",
         grid: str = "minmax",
+        scales: str = "model",
     ):
         self.bits, self.group, self.signs, self.keys = tuple(bits), group, signs, keys
-        self.grid = grid
+        self.grid, self.scales = grid, scales
         self.widths = sorted(set(self.bits))
         self.heads = [
             [h for h, b in enumerate(self.bits) if b == w] for w in self.widths
         ]
-        self.parts = [QuantizedRows(w, group, keys, grid) for w in self.widths]
+        self.parts = [QuantizedRows(w, group, keys, grid, scales) for w in self.widths]
         order = [h for heads in self.heads for h in heads]
         self.inverse = None
         if order != list(range(len(order))):
@@ -403,7 +418,9 @@ class QuantizedStore:
             part.truncate(rows)
 
     def clone(self) -> QuantizedStore:
-        new = QuantizedStore(self.bits, self.group, self.signs, self.keys, self.grid)
+        new = QuantizedStore(
+            self.bits, self.group, self.signs, self.keys, self.grid, self.scales
+        )
         for src, dst in zip(self.parts, new.parts):
             dst.load(src.state("p"), "p")
         return new
@@ -423,6 +440,8 @@ class QuantizedStore:
             st["q.token_keys"] = mx.array([1], dtype=mx.int32)
         if self.grid != "minmax":  # absent: minmax, as files before it
             st["q.grid"] = mx.array([GRID_CODES[self.grid]], dtype=mx.int32)
+        if self.scales == "float16":  # absent: the model's dtype
+            st["q.scales16"] = mx.array([1], dtype=mx.int32)
         for w, part in zip(self.widths, self.parts):
             st.update(part.state(f"q{w}"))
         return st
@@ -437,7 +456,8 @@ class QuantizedStore:
         if grid is None:
             raise ValueError(f"unknown quantization grid code {code}")
         bits = tuple(st["q.bits"].tolist())
-        store = cls(bits, group, st.get("q.signs"), keys, grid)
+        scales = "float16" if "q.scales16" in st else "model"
+        store = cls(bits, group, st.get("q.signs"), keys, grid, scales)
         for w, part in zip(store.widths, store.parts):
             part.load(st, f"q{w}")
         return store
