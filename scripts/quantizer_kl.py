@@ -33,7 +33,11 @@ from veloxpatch.api import make_options  # noqa: E402
 from veloxpatch.caches import quantized  # noqa: E402
 from veloxpatch.errors import OptionError  # noqa: E402
 from veloxpatch.eval.arms import Arm, parse_arm, split_arms  # noqa: E402
-from veloxpatch.eval.metrics import agreement_and_kl, teacher_forced  # noqa: E402
+from veloxpatch.eval.metrics import (  # noqa: E402
+    agreement_and_kl,
+    perplexity,
+    teacher_forced,
+)
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.sessions import arm_caches  # noqa: E402
 from veloxpatch.eval.text import prose_segments  # noqa: E402
@@ -53,8 +57,11 @@ def flush_ms(grid: str, bits: int, group: int = 32, repeats: int = 200) -> float
     return 1e3 * statistics.median(times)
 
 
-def gridded(arm: Arm, grid: str) -> Arm | None:
-    """`arm` with its rows on `grid`, or None where it cannot take that grid."""
+def gridded(arm: Arm, grid: str | None) -> Arm | None:
+    """`arm` with its rows on `grid` (None: as the arm says), or None where it
+    cannot take that grid."""
+    if grid is None:
+        return arm
     new = Arm(arm.algo, {**arm.options, "kv_grid": grid})
     try:
         make_options(new.algo, new.options)
@@ -79,15 +86,16 @@ def main():
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--segments", type=int, default=1)
     ap.add_argument("--arms", default="kivi:bits=2,kivi:bits=3,kivi:bits=4")
-    ap.add_argument("--grids", default="mlx,minmax")
+    ap.add_argument("--grids", default="mlx,minmax", help="'': each arm's own")
     ap.add_argument("--text", default="evaluation", help="or licenses-evaluation")
     ap.add_argument("--out", default="scripts/results/quantizer_kl.json")
     args = ap.parse_args()
     info = run_info()
     model, tokenizer = veloxpatch.load()
     arms = [parse_arm(t) for t in split_arms(args.arms)]
-    grids = [g.strip() for g in args.grids.split(",") if g.strip()]
+    grids = [g.strip() for g in args.grids.split(",") if g.strip()] or [None]
     runs = [(a, g, gridded(a, g)) for a in arms for g in grids]
+    runs = [(a, g or a.options.get("kv_grid", "minmax"), r) for a, g, r in runs]
     for arm, grid, _ in [r for r in runs if r[2] is None]:
         print(f"skipped: {arm.label} cannot take kv_grid={grid}", flush=True)
     runs = [r for r in runs if r[2] is not None]
@@ -101,6 +109,7 @@ def main():
             lp, kv, rate = timed_logprobs(model, run, context, cont)
             agree, kl = agreement_and_kl(lp, ref)
             row = dict(segment=seg, arm=arm.label, grid=grid, kl=kl)
+            row["perplexity"] = perplexity(lp, cont)
             rows.append({**row, "agreement": agree, "kv_bytes": kv})
             rows[-1]["decode_tok_per_s"] = rate
             print(
@@ -119,6 +128,7 @@ def main():
                 "grid": grid,
                 "kl": statistics.mean(r["kl"] for r in mine),
                 "agreement": statistics.mean(r["agreement"] for r in mine),
+                "perplexity": statistics.mean(r["perplexity"] for r in mine),
                 "kv_bytes": mine[0]["kv_bytes"],
                 "decode_tok_per_s": statistics.median(
                     r["decode_tok_per_s"] for r in mine
