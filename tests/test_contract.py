@@ -63,6 +63,12 @@ ROTATED = [
         ),
         "snapkv-kv2-token-rot",
     ),
+    # TurboQuant's 1-bit residual on keys
+    (
+        "kivi",
+        dict(bits=2, residual=4, kv_rotate="hadamard", kv_keys="token", kv_qjl=True),
+        "kivi-qjl",
+    ),
     # TurboQuant's scalar quantizer, and mlx's mxfp4 (4 bits, no biases)
     (
         "kivi",

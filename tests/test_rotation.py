@@ -3,6 +3,8 @@ attention over them equals dense attention over their dequantized rows, at
 every width, with and without GQA, in prefill pieces and decode; the rotation
 is orthogonal and spreads an outlier channel; options are checked."""
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -211,13 +213,15 @@ def test_every_grid_reads_equal_dense_reads_and_survives_save(grid, bits, keys):
 
 
 def test_grid_options_are_checked():
+    from veloxpatch.api import make_options
+
     with pytest.raises(OptionError, match="kv_grid"):
-        veloxpatch.api.make_options("kivi", {"kv_grid": "lloyd"})
+        make_options("kivi", {"kv_grid": "lloyd"})
     with pytest.raises(OptionError, match="4 bits in groups of 32"):
-        veloxpatch.api.make_options("kivi", {"bits": 2, "kv_grid": "mxfp4"})
+        make_options("kivi", {"bits": 2, "kv_grid": "mxfp4"})
     with pytest.raises(OptionError, match="needs kv_bits"):
-        veloxpatch.api.make_options("snapkv", {"kv_grid": "gaussian"})
-    _, opts = veloxpatch.api.make_options("snapkv", {"kv_bits": 4, "kv_grid": "mxfp4"})
+        make_options("snapkv", {"kv_grid": "gaussian"})
+    _, opts = make_options("snapkv", {"kv_bits": 4, "kv_grid": "mxfp4"})
     assert opts.kv_grid == "mxfp4"
 
 
@@ -246,3 +250,64 @@ def test_fp16_scales_halve_their_bytes_and_read_as_dense(grid):
     assert back.scales == "float16" and mx.array_equal(
         back.dequantize(mx.float32)[0], dk
     )
+
+
+# ---- TurboQuant's 1-bit residual (kv_qjl) ---------------------------------------
+@pytest.mark.parametrize("bits", [2, 3])
+def test_qjl_store_reads_equal_dense_reads_and_survives_save(bits):
+    from veloxpatch.caches.quantized import qjl_matrix
+
+    k1, k2, k3 = mx.random.split(mx.random.key(20 + bits), 3)
+    rows_k = mx.random.normal((1, 2, 64, D), key=k1)
+    values = mx.random.normal((1, 2, 64, D), key=k2)
+    signs, qjl = rotation_signs(2, D, 0), qjl_matrix(D, 0)
+    store = QuantizedStore(
+        (bits, bits), GROUP, signs, "token", "gaussian", "model", qjl
+    )
+    store.append(rows_k, values)
+    store.take_groups(mx.array([[[1, 0], [0, 1]]]))
+    store.truncate(GROUP)
+    assert store.parts[0].rw.shape == (1, 2, GROUP, D // 32)  # one bit a coordinate
+    dk, _ = store.dequantize(mx.float32)
+    q = mx.random.normal((1, 2, 5, D), key=k3)
+    assert rel(store.logits(q), q @ dk.swapaxes(-1, -2)) < 1e-5
+    back = QuantizedStore.from_state(store.state(), GROUP)
+    assert mx.array_equal(back.qjl, qjl)
+    assert mx.array_equal(back.dequantize(mx.float32)[0], dk)
+
+
+def test_qjl_estimate_of_the_residual_is_unbiased():
+    """Over many draws of S, the sketch's estimate of q . r averages to q . r
+    (sqrt(pi/2) / D is the right constant), for residuals of 1-bit keys."""
+    from veloxpatch.caches.quantized import QuantizedRows
+
+    k = mx.random.normal((1, 1, 32, D), key=mx.random.key(5))
+    q = mx.random.normal((1, 1, 1, D), key=mx.random.key(6))
+    plain = QuantizedRows(1, GROUP, "token", "gaussian")
+    plain.append(k, k)
+    k_hat, _ = plain.dequantize(mx.float32)
+    true = (q @ (k - k_hat).swapaxes(-1, -2))[0, 0, 0]
+    draws = []
+    for seed in range(400):
+        S = mx.random.normal((D, D), key=mx.random.key(1000 + seed))
+        rows = QuantizedRows(2, GROUP, "token", "gaussian", qjl=S)
+        rows.append(k, k)
+        draws.append((rows.logits(q) - q @ k_hat.swapaxes(-1, -2))[0, 0, 0])
+    est = mx.stack(draws)
+    err = est.mean(0) - true
+    spread = est.std(0) / math.sqrt(len(draws))
+    assert float(mx.abs(err / spread).max()) < 4.5  # within noise, every key
+    assert float(mx.abs(err).mean()) < 0.1 * float(mx.abs(true).mean())
+
+
+def test_qjl_options_are_checked():
+    from veloxpatch.api import make_options as make
+
+    with pytest.raises(OptionError, match="kv_keys='token'"):
+        make("kivi", {"bits": 2, "kv_qjl": True})
+    with pytest.raises(OptionError, match="bits 2, 3 or 4"):
+        make("kivi", {"bits": 8, "kv_qjl": True, "kv_keys": "token"})
+    with pytest.raises(OptionError, match="true or false"):
+        make("kivi", {"bits": 2, "kv_qjl": "yes", "kv_keys": "token"})
+    _, opts = make("snapkv", {"kv_bits": 2, "kv_qjl": True, "kv_keys": "token"})
+    assert opts.kv_qjl

@@ -302,7 +302,68 @@ def rotated() -> list[str]:
             "",
         ]
         findings += _rotation_findings(source, t)
-    return lines + findings + [""] + _rotated_passkey() + _rotated_speed()
+    grids = _grid_study()
+    return lines + findings + [""] + grids + _rotated_passkey() + _rotated_speed()
+
+
+GRID_STUDY = "quantizer_grid_rotated"
+
+
+def _grid_study() -> list[str]:
+    """Which grid, key grouping, group size and scale width with rotation:
+    every arm's KL and bytes against mlx-lm's 4-bit cache in the same run."""
+    names = [
+        n
+        for n in (GRID_STUDY, f"{GRID_STUDY}_licenses")
+        if (rm.RESULTS / f"{n}.json").exists()
+    ]
+    out = []
+    for i, name in enumerate(names):
+        res = load(name)
+        cfg, rows = res["config"], res["table"]
+        m4 = next((r for r in rows if r["arm"] == "mlx.quantized:kv_bits=4"), None)
+        body = [
+            [
+                f"`{r['arm']}`",
+                r["grid"] if r["arm"].startswith("kivi") else "",
+                f"{r['perplexity']:.2f}",
+                f"{r['agreement']:.3f}",
+                f"{r['kl']:.4f}",
+                f"{r['kv_bytes'] / 1e6:.1f}",
+                f"{r['kv_bytes'] / m4['kv_bytes']:.2f}" if m4 else "",
+            ]
+            for r in rows
+        ]
+        head = ["arm", "grid", "ppl", "agreement", "KL(full ‖ arm)", "KV MB"]
+        head += ["bytes / mlx-lm 4-bit"]
+        intro = (
+            "### Which grid with rotation\n\n"
+            "`kv_grid` (`minmax`, `mlx`, `gaussian`: TurboQuant's scalar "
+            "quantizer on the affine kernels, `mxfp4`), keys per channel or per "
+            "token, groups of 32 or 64, fp16 scales and a smaller residual, each "
+            "arm on its own grid; `scripts/quantizer_kl.py`, "
+            f"{cfg['context']:,}-token contexts ({cfg['segments']}), a "
+            f"{cfg['continuation']}-token continuation one token per call, "
+            f"prose `{cfg.get('text', 'evaluation')}`:"
+            if i == 0
+            else f"The same on prose `{cfg.get('text')}`:"
+        )
+        out += [
+            intro,
+            "",
+            meta(name, res),
+            "",
+            *table(head, body),
+            "",
+            *command(
+                f"{PY} scripts/quantizer_kl.py",
+                cfg,
+                ["grids", "context", "continuation", "segments", "text", "arms"],
+                keep=("grids",),
+            ),
+            "",
+        ]
+    return out
 
 
 def _rotated_passkey() -> list[str]:

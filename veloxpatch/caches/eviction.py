@@ -51,7 +51,8 @@ class EvictionOptions(CacheOptions):
     instead; `kv_rotate="hadamard"` stores them rotated by a random Hadamard
     transform per head (TurboQuant, `quantized.py`); `kv_grid`: "minmax",
     "mlx", "gaussian" (TurboQuant's scalar quantizer) or "mxfp4"; `kv_scales=
-    "float16"`: each group's scale and bias in fp16 (default: the model's dtype).
+    "float16"`: each group's scale and bias in fp16 (default: the model's dtype);
+    `kv_qjl=True`: TurboQuant's 1-bit residual on keys (per token).
     `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
     (Ada-KV: a layer's heads share budget x heads rows by their scores, each
     keeping at least the fraction `alpha`, default 0.2, of the uniform share;
@@ -70,6 +71,7 @@ class EvictionOptions(CacheOptions):
     kv_keys: str = "channel"
     kv_grid: str = "minmax"
     kv_scales: str = "model"
+    kv_qjl: bool = False
     head_budget: str = "uniform"
     alpha: float | None = None
     max_kv_bytes: int | str | None = None
@@ -133,7 +135,7 @@ class EvictionOptions(CacheOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        from .kv_bits import check_grid, check_quant, check_rotate
+        from .kv_bits import check_grid, check_qjl, check_quant, check_rotate
 
         # kv_group and kv_residual are checked even while kv_bits is unset.
         check_quant(
@@ -141,6 +143,7 @@ class EvictionOptions(CacheOptions):
         )
         check_rotate(self.kv_rotate, self.kv_keys, self.kv_bits, "kv_")
         check_grid(self.kv_grid, self.kv_bits, self.kv_group, "kv_", self.kv_scales)
+        check_qjl(self.kv_qjl, self.kv_bits, self.kv_keys, self.kv_grid, "kv_")
         check_int("sinks", self.sinks, 0)
         check_int("budget", self.budget, 1)
         check_choice("head_budget", self.head_budget, HEAD_BUDGETS)

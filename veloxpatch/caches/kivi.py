@@ -22,6 +22,7 @@ from .kv_bits import (
     QuantizedKV,
     check_grid,
     check_group_divides,
+    check_qjl,
     check_quant,
     check_rotatable,
     check_rotate,
@@ -39,7 +40,8 @@ class KIVIOptions(CacheOptions):
     quantized per token, along channels, as values (KIVI's are per channel).
     `kv_grid`: "minmax" (the paper's), "mlx" (mx.quantize), "gaussian"
     (TurboQuant's scalar quantizer) or "mxfp4" (`quantized.py`). `kv_scales=
-    "float16"`: each group's scale and bias in fp16 (default: the model's)."""
+    "float16"`: each group's scale and bias in fp16 (default: the model's).
+    `kv_qjl=True`: TurboQuant's 1-bit residual on keys (`kv_keys="token"`)."""
 
     bits: int | str = 2
     group: int = 32
@@ -49,12 +51,14 @@ class KIVIOptions(CacheOptions):
     kv_keys: str = "channel"
     kv_grid: str = "minmax"
     kv_scales: str = "model"
+    kv_qjl: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         check_quant(self.bits, self.group, self.residual, self.target_bits)
         check_rotate(self.kv_rotate, self.kv_keys, self.bits)
         check_grid(self.kv_grid, self.bits, self.group, scales=self.kv_scales)
+        check_qjl(self.kv_qjl, self.bits, self.kv_keys, self.kv_grid)
 
     def bind(self, model, dims):
         check_group_divides(dims, self.group)

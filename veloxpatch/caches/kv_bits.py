@@ -37,12 +37,13 @@ from .kv_options import (  # noqa: F401  (the names callers import from here)
     allocate_bits,
     check_grid,
     check_group_divides,
+    check_qjl,
     check_quant,
     check_rotatable,
     check_rotate,
     layer_total,
 )
-from .quantized import QuantizedStore, rotation_signs
+from .quantized import QuantizedStore, qjl_matrix, rotation_signs
 from .qview import QuantizedView
 from .storage import PAD_POSITION
 
@@ -268,8 +269,10 @@ class QuantizedKV:
             every = rotation_signs(H * self.shards.size, D, self.layer)
             signs = self.shards.my_heads(every, axis=0)
         o = self.options
+        D = self.keys.shape[3]
+        qjl = qjl_matrix(D, self.layer) if o.kv_qjl else None
         return QuantizedStore(
-            bits, o.kv_group, signs, o.kv_keys, o.kv_grid, o.kv_scales
+            bits, o.kv_group, signs, o.kv_keys, o.kv_grid, o.kv_scales, qjl
         )
 
     def side_arrays(self):

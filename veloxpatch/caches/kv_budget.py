@@ -17,7 +17,8 @@ prompt, the others the caller's prefill chunk, on top of the budget.
   slots are the full-precision residual (2 D x dtype size each) and the rest
   quantized (2 D bits / 8 of codes, and a scale and a bias per `group` values in
   the model's dtype: 4 D x dtype size / group; fp16 with `kv_scales`, one byte
-  and no bias with mxfp4), plus 8 bytes per row (its position and its slot).
+  and no bias with mxfp4; `kv_qjl`: a scale and a bias more per key), plus 8
+  bytes per row (its position and its slot).
   Adaptive widths count their mean, `target_bits`.
 
 Plus what a layer holds besides its rows (`side_bytes`: expected_attention's
@@ -97,7 +98,8 @@ def slot_bytes(options, head_dim: int, dtype_size: int, quantized: bool) -> int:
     if getattr(options, "kv_grid", "minmax") == "mxfp4":  # one uint8 scale a group
         return 2 * head_dim * bits / 8 + 2 * head_dim / options.kv_group
     scale = 2 if getattr(options, "kv_scales", "model") == "float16" else dtype_size
-    return 2 * head_dim * bits / 8 + 4 * head_dim * scale / options.kv_group
+    sketch = 2 * scale if getattr(options, "kv_qjl", False) else 0  # its ±alpha
+    return 2 * head_dim * bits / 8 + 4 * head_dim * scale / options.kv_group + sketch
 
 
 def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:

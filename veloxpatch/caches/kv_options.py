@@ -72,6 +72,22 @@ def check_grid(grid, bits, group, prefix: str = "", scales="model") -> None:
         )
 
 
+def check_qjl(qjl, bits, keys, grid, prefix: str = "") -> None:
+    """`kv_qjl`: TurboQuant's 1-bit residual on keys quantized per token, on
+    an affine grid, at 2 to 4 bits (the keys' MSE part takes one bit less)."""
+    if not isinstance(qjl, bool):
+        raise OptionError(f"kv_qjl must be true or false, got {qjl!r}")
+    if not qjl:
+        return
+    if bits not in (2, 3, 4):
+        raise OptionError(f"kv_qjl needs {prefix}bits 2, 3 or 4, got {bits!r}")
+    if keys != "token" or grid == "mxfp4":
+        raise OptionError(
+            "kv_qjl sketches each key's residual: it needs kv_keys='token' and an "
+            "affine kv_grid (not mxfp4)"
+        )
+
+
 def check_rotatable(dims, rotate) -> None:
     """mx.hadamard_transform takes widths m x 2^k, m in 1, 12, 20, 28."""
     if rotate is None:

@@ -30,6 +30,18 @@ kernels cannot express; the uniform grid's error is within 1.1% of theirs at
 exponent per 32 values, no bias), read by the same kernels in its mode.
 scripts/quantizer_kl.py and scripts/rotated_grid.py compare them on SmolLM2.
 
+TurboQuant's 1-bit residual (`kv_qjl`, keys per token): a key is quantized on
+bits - 1 bits, and its residual r = k - k_hat is sketched by QJL, the signs of
+r S^T for a Gaussian S [D, D] (seeded per layer, saved with the state), each
+key's signs read as ±alpha with alpha = sqrt(pi / 2) / D x |r|. Stored as mlx's
+1-bit affine codes (scale 2 alpha, bias -alpha, one group per row), so
+
+    q . k ~ quantized_matmul(q, K_w, ...) + quantized_matmul(q S^T, R_w, ...)
+
+with the residual's term unbiased (E[S^T sign(S r)] = D sqrt(2 / pi) r / |r|):
+two kernel calls, no dequantizing. What reads rows gets k_hat + alpha signs S,
+whose dot product with q is the same estimate. Values keep all `bits`.
+
 Rotation (`kv_rotate="hadamard"`, TurboQuant / QuaRot): each head's keys and
 values are stored as x M, M = diag(signs) H / sqrt(D) (random signs per head and
 channel, H the Hadamard matrix): an orthogonal map that spreads outlier channels
@@ -42,6 +54,7 @@ dequantized copies) sees unrotated rows.
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -167,6 +180,12 @@ def rotation_signs(heads: int, dim: int, layer: int) -> mx.array:
     return mx.where(draw, 1.0, -1.0).astype(mx.float32)
 
 
+def qjl_matrix(dim: int, layer: int) -> mx.array:
+    """TurboQuant's QJL projection S [dim, dim], i.i.d. N(0, 1), seeded by the
+    layer (a cache's state stores it, as the rotation's signs)."""
+    return mx.random.normal((dim, dim), key=mx.random.key(0x91A + layer))
+
+
 def _cat(old, new, axis):
     return new if old is None else mx.concatenate([old, new], axis=axis)
 
@@ -179,9 +198,12 @@ class QuantizedRows:
     [B, H, T, D/32*bits], `ks`, `kb` [B, H, T, D/group].
     Values: `vw` [B, H, T, D/32*bits], `vs`, `vb` [B, H, T, D/group].
     `grid`: module doc (mxfp4 has no biases: `kb` and `vb` stay None).
-    `scales`: "model" (scales and biases in the rows' dtype) or "float16"."""
+    `scales`: "model" (scales and biases in the rows' dtype) or "float16".
+    `qjl` [D, D] (keys per token only): TurboQuant's 1-bit residual, module
+    doc: keys on `bits` - 1 bits, and `rw` [B, H, T, D/32], `rs`, `rb` [B, H,
+    T, 1], the signs of the projected residual, each key's ±alpha."""
 
-    NAMES = ("kw", "ks", "kb", "vw", "vs", "vb")
+    NAMES = ("kw", "ks", "kb", "vw", "vs", "vb", "rw", "rs", "rb")
 
     def __init__(
         self,
@@ -190,17 +212,23 @@ class QuantizedRows:
         keys: str = "channel",
         grid: str = "minmax",
         scales: str = "model",
+        qjl: mx.array | None = None,
     ):
         self.bits, self.group, self.keys, self.grid = bits, group, keys, grid
-        self.scales = scales
+        self.scales, self.qjl = scales, qjl
+        self.key_bits = bits - 1 if qjl is not None else bits
         self.dtype = mx.float16 if scales == "float16" else None
         self.mode = "mxfp4" if grid == "mxfp4" else "affine"
+        self._empty()
+
+    def _empty(self) -> None:
         for name in self.NAMES:
             setattr(self, name, None)
 
     def _held(self) -> tuple[str, ...]:
         """The names of the arrays this grid stores."""
-        return tuple(n for n in self.NAMES if self.mode == "affine" or n[1] != "b")
+        names = self.NAMES if self.qjl is not None else self.NAMES[:6]
+        return tuple(n for n in names if self.mode == "affine" or n[1] != "b")
 
     def _per_token(self) -> tuple[str, ...]:
         """The arrays stored a row per token: [B, H, T, ...]."""
@@ -210,50 +238,75 @@ class QuantizedRows:
     def rows(self) -> int:
         return 0 if self.vw is None else self.vw.shape[2]
 
-    def _qmm(self, x, w, s, b, transpose=False):
+    def _qmm(self, x, w, s, b, transpose=False, bits=None, group=None):
         return mx.quantized_matmul(
             x,
             w,
             s,
             b,
             transpose=transpose,
-            group_size=self.group,
-            bits=self.bits,
+            group_size=group or self.group,
+            bits=bits or self.bits,
             mode=self.mode,
         )
 
-    def _dq(self, w, s, b):
-        g, bits = self.group, self.bits
+    def _dq(self, w, s, b, bits=None, group=None):
         if self.dtype is not None:  # fp16 scales: dequantize in fp32, as the kernel
             s, b = s.astype(mx.float32), b.astype(mx.float32)
+        g, bits = group or self.group, bits or self.bits
         return mx.dequantize(w, s, b, group_size=g, bits=bits, mode=self.mode)
 
     def append(self, k: mx.array, v: mx.array) -> None:
         """Quantize and add rows [B, H, n, D]; n is a multiple of `group`."""
         token = self.keys == "token"
         g, b, grid, dt = self.group, self.bits, self.grid, self.dtype
-        kw, ks, kb = quantize(k if token else k.swapaxes(-1, -2), g, b, grid, dt)
+        kb_ = self.key_bits
+        kw, ks, kb = quantize(k if token else k.swapaxes(-1, -2), g, kb_, grid, dt)
         vw, vs, vb = quantize(v, g, b, grid, dt)
         new = dict(kw=kw, ks=ks, kb=kb, vw=vw, vs=vs, vb=vb)
+        if self.qjl is not None:
+            residual = k.astype(mx.float32) - self._dq(kw, ks, kb, kb_)
+            new.update(zip(("rw", "rs", "rb"), self._sketch(residual, k.dtype)))
         rows = self._per_token()
         for name in self._held():
             a = _cat(getattr(self, name), new[name], 2 if name in rows else -1)
             setattr(self, name, a)
 
+    def _sketch(self, r: mx.array, dtype):
+        """QJL of residuals r [B, H, n, D]: the signs of r S^T as 1-bit codes,
+        read as ±alpha, alpha = sqrt(pi / 2) / D x |r| (scale 2 alpha, bias
+        -alpha), so that (q S^T) . signs x alpha estimates q . r unbiased."""
+        D = r.shape[-1]
+        codes = (r @ self.qjl.T > 0).astype(mx.uint32)
+        alpha = math.sqrt(math.pi / 2) / D * mx.linalg.norm(r, axis=-1, keepdims=True)
+        dtype = self.dtype or dtype
+        return pack(codes, 1), (2 * alpha).astype(dtype), (-alpha).astype(dtype)
+
     def logits(self, q: mx.array) -> mx.array:
         """q [B, H, M, D] . K^T -> [B, H, M, T]."""
-        return self._qmm(q, self.kw, self.ks, self.kb, transpose=self.keys == "token")
+        token = self.keys == "token"
+        out = self._qmm(q, self.kw, self.ks, self.kb, token, self.key_bits)
+        if self.qjl is None:
+            return out
+        D = q.shape[-1]
+        sq = (q.astype(mx.float32) @ self.qjl.T).astype(q.dtype)
+        return out + self._qmm(sq, self.rw, self.rs, self.rb, True, 1, D)
 
     def weighted(self, p: mx.array) -> mx.array:
         """p [B, H, M, T] . V -> [B, H, M, D]."""
         return self._qmm(p, self.vw, self.vs, self.vb)
 
     def dequantize(self, dtype) -> tuple[mx.array, mx.array]:
-        """Keys and values [B, H, T, D] in `dtype` (computed, never stored)."""
-        keys = self._dq(self.kw, self.ks, self.kb)
+        """Keys and values [B, H, T, D] in `dtype` (computed, never stored):
+        with `qjl`, each key plus alpha x signs S, the residual's unbiased
+        estimate (q . it is the kernel's estimate of q . r)."""
+        keys = self._dq(self.kw, self.ks, self.kb, self.key_bits)
         values = self._dq(self.vw, self.vs, self.vb)
         if self.keys != "token":
             keys = keys.swapaxes(-1, -2)
+        if self.qjl is not None:
+            D = keys.shape[-1]
+            keys = keys + self._dq(self.rw, self.rs, self.rb, 1, D) @ self.qjl
         return keys.astype(dtype), values.astype(dtype)
 
     def _by_group(self):
@@ -292,7 +345,7 @@ class QuantizedRows:
         of head h is the old group gid[b, h, j] unchanged where exact[b, h, j]
         (its rows are exactly that group's, in order)."""
         old = self._by_group() if self.vw is not None else None
-        self.__init__(self.bits, self.group, self.keys, self.grid, self.scales)
+        self._empty()
         if k.shape[2] == 0:
             return
         self.append(k, v)
@@ -314,7 +367,7 @@ class QuantizedRows:
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` (a multiple of `group`)."""
         if rows == 0:
-            self.__init__(self.bits, self.group, self.keys, self.grid, self.scales)
+            self._empty()
             return
         T = self.rows
         for name in self._held():
@@ -350,14 +403,17 @@ class QuantizedStore:
         keys: str = "channel",
         grid: str = "minmax",
         scales: str = "model",
+        qjl: mx.array | None = None,
     ):
         self.bits, self.group, self.signs, self.keys = tuple(bits), group, signs, keys
-        self.grid, self.scales = grid, scales
+        self.grid, self.scales, self.qjl = grid, scales, qjl
         self.widths = sorted(set(self.bits))
         self.heads = [
             [h for h, b in enumerate(self.bits) if b == w] for w in self.widths
         ]
-        self.parts = [QuantizedRows(w, group, keys, grid, scales) for w in self.widths]
+        self.parts = [
+            QuantizedRows(w, group, keys, grid, scales, qjl) for w in self.widths
+        ]
         order = [h for heads in self.heads for h in heads]
         self.inverse = None
         if order != list(range(len(order))):
@@ -419,7 +475,13 @@ class QuantizedStore:
 
     def clone(self) -> QuantizedStore:
         new = QuantizedStore(
-            self.bits, self.group, self.signs, self.keys, self.grid, self.scales
+            self.bits,
+            self.group,
+            self.signs,
+            self.keys,
+            self.grid,
+            self.scales,
+            self.qjl,
         )
         for src, dst in zip(self.parts, new.parts):
             dst.load(src.state("p"), "p")
@@ -442,6 +504,8 @@ class QuantizedStore:
             st["q.grid"] = mx.array([GRID_CODES[self.grid]], dtype=mx.int32)
         if self.scales == "float16":  # absent: the model's dtype
             st["q.scales16"] = mx.array([1], dtype=mx.int32)
+        if self.qjl is not None:
+            st["q.qjl"] = self.qjl
         for w, part in zip(self.widths, self.parts):
             st.update(part.state(f"q{w}"))
         return st
@@ -457,7 +521,7 @@ class QuantizedStore:
             raise ValueError(f"unknown quantization grid code {code}")
         bits = tuple(st["q.bits"].tolist())
         scales = "float16" if "q.scales16" in st else "model"
-        store = cls(bits, group, st.get("q.signs"), keys, grid, scales)
+        store = cls(bits, group, st.get("q.signs"), keys, grid, scales, st.get("q.qjl"))
         for w, part in zip(store.widths, store.parts):
             part.load(st, f"q{w}")
         return store
