@@ -215,15 +215,13 @@ class KVzapCache(EvictingCache):
             if self.is_last_member() and self.pending.shape[-1] == 0:
                 self.choose_together()
         else:
-            scores, keep = self.row_scores, self.row_budget()
+            scores = self.row_scores
             if self.options.decode == "attention":
                 w = max(self.options.window, 1)
                 self.decode_queries = newest_queries(self.decode_queries, q, w)
-                # as kvzip: back to `budget` in every layer (a long answer reads
-                # every layer; the prompt's choice shared it unevenly)
-                scores, keep = self.decode_scores, self.options.budget
-            if self.cut_after_window(self.row_budget(), keep, scores):
-                self.unjudged, self.share = 0, keep
+                scores = self.decode_scores
+            if self.cut_after_window(self.row_budget(), self.row_budget(), scores):
+                self.unjudged = 0
 
     def decode_scores(self) -> mx.array:
         """[B, Hkv, rows] SnapKV's score under the last `window` decode queries."""
