@@ -223,6 +223,13 @@ def kvzap() -> list[str]:
             "previous licence-text table):",
             [*KL_KEYS, "text"],
         ),
+        (
+            "ppl_kvzap_decode_even_licenses",
+            "kvzip's decode also brings every layer back to `budget` at its "
+            "first cut; tried for kvzap on the second prose (made at e784857, "
+            "then reverted: each layer keeps its share):",
+            [*KL_KEYS, "text"],
+        ),
     ]
     for name, intro, keys in kl_runs:
         if _have(name):
