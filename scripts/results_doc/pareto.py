@@ -4,6 +4,7 @@ points are also what `scripts/pareto_plot.py` draws."""
 
 from __future__ import annotations
 
+import results_markdown as rm
 from results_markdown import LINK, load, short, table
 
 PASSKEY = (
@@ -11,6 +12,8 @@ PASSKEY = (
     "passkey_agnostic_kvzip",
     "passkey_kvzip_choice_tail",
     "passkey_agnostic_bytes",
+    "passkey_rotated",  # rotated low-bit rows (issue 30), once run
+    "passkey_rotated_lean",
 )
 # later files replace an arm of earlier ones (kvzip:budget=256 decodes since 4257d75)
 KL_FILES = (
@@ -18,9 +21,14 @@ KL_FILES = (
     "ppl_agnostic_decode",
     "ppl_kvzip_choice_tail",
     "ppl_agnostic_bytes",
+    "ppl_rotated_bytes",
 )
 FRACTIONS = (0.05, 0.10, 0.17, 0.25, 0.50)  # of the full cache's bytes
 PLOT = "pareto_agnostic.svg"
+
+
+def present(names) -> list[str]:
+    return [n for n in names if (rm.RESULTS / f"{n}.json").exists()]
 
 
 def mlx_side(label: str) -> bool:
@@ -32,13 +40,17 @@ def points(metric: str) -> tuple[list[dict], float]:
     replace an arm of earlier ones); kl: KL(full || arm) of the continuation.
     mlx.rotating's buffer holds the whole prompt until its first decode step:
     it is placed at its steady size, as the continuation run measures it."""
-    kl = {t["arm"]: t for name in KL_FILES for t in load(name)["continuation"]["table"]}
+    kl = {
+        t["arm"]: t
+        for name in present(KL_FILES)
+        for t in load(name)["continuation"]["table"]
+    }
     full_mb = kl["full"]["kv_mb"]
     if metric == "kl":
         rows = {a: (t["kv_mb"], t["kl"]) for a, t in kl.items() if a != "full"}
     else:
         rows = {}
-        for name in PASSKEY:
+        for name in present(PASSKEY):
             for t in load(name)["passkey"]["table"]:
                 if t["arm"] == "full":
                     full_mb = t["kv_mb"]  # the passkey contexts' own full cache
@@ -88,9 +100,9 @@ def pareto() -> list[str]:
         "",
         "Every arm of the agnostic runs on evaluation prose (~1,500-token "
         "contexts): passkey answers from "
-        + ", ".join(f"[`{n}.json`]({LINK}/{n}.json)" for n in PASSKEY)
+        + ", ".join(f"[`{n}.json`]({LINK}/{n}.json)" for n in present(PASSKEY))
         + " and KL(full ‖ arm) of a 256-token continuation from "
-        + ", ".join(f"[`{n}.json`]({LINK}/{n}.json)" for n in KL_FILES)
+        + ", ".join(f"[`{n}.json`]({LINK}/{n}.json)" for n in present(KL_FILES))
         + ", against the KV bytes held after the context "
         "is compressed (mlx.rotating at its steady size: its buffer holds the "
         "whole prompt until its first decode step). The best configuration that "
