@@ -143,9 +143,25 @@ def later_bullets() -> list[str]:
             pk = by_key(load("passkey_rotated")["passkey"]["table"])
             a, b = pk["kivi:bits=2"], pk["kivi:bits=2,kv_rotate=hadamard"]
             passkey = f"; agnostic passkey {count(a)} to {count(b)}"
+        lean = ""
+        if (rm.RESULTS / "quantizer_grid_rotated.json").exists():
+            rows = load("quantizer_grid_rotated")["table"]
+            m = by_key(rows)["mlx.quantized:kv_bits=4"]
+            fits = [
+                r
+                for r in rows
+                if "bits=2" in r["arm"] and r["kv_bytes"] <= 0.6 * m["kv_bytes"]
+            ]
+            if fits:
+                b = min(fits, key=lambda r: r["kl"])
+                word = "a loss" if b["kl"] > m["kl"] else "a win"
+                lean = (
+                    f"; within 0.6x its bytes (fp16 scales, groups of 64) KL "
+                    f"{b['kl']:.3f} against its {m['kl']:.3f}, {word}"
+                )
         out.append(
             f'- `kv_rotate="hadamard"`: 2-bit KIVI KL {" and ".join(parts)} at '
-            f"{r2['kv_mb'] / m4['kv_mb']:.2f}x its bytes{passkey}."
+            f"{r2['kv_mb'] / m4['kv_mb']:.2f}x its bytes{passkey}{lean}."
         )
     return out
 
