@@ -63,6 +63,13 @@ ROTATED = [
         ),
         "snapkv-kv2-token-rot",
     ),
+    (
+        "kvzip",
+        dict(
+            CONTRACT["kvzip"], budget=40, kv_bits=2, kv_residual=4, kv_rotate="hadamard"
+        ),
+        "kvzip-kv2-rot",
+    ),
     # TurboQuant's 1-bit residual on keys
     (
         "kivi",

@@ -311,3 +311,19 @@ def test_qjl_options_are_checked():
         make("kivi", {"bits": 2, "kv_qjl": "yes", "kv_keys": "token"})
     _, opts = make("snapkv", {"kv_bits": 2, "kv_qjl": True, "kv_keys": "token"})
     assert opts.kv_qjl
+
+
+@pytest.mark.parametrize("keys", ["channel", "token"])
+def test_a_rebuilt_rotated_store_holds_the_rows_it_was_given(keys):
+    # compaction (kv_bits._compact) requantizes dequantized, unrotated rows
+    k1, k2 = mx.random.split(mx.random.key(31), 2)
+    rows_k = mx.random.normal((1, 2, 64, D), key=k1)
+    values = mx.random.normal((1, 2, 64, D), key=k2)
+    store = QuantizedStore((4, 4), GROUP, rotation_signs(2, D, 0), keys)
+    store.append(rows_k, values)
+    dk, dv = store.dequantize(mx.float32)
+    exact = mx.array([[[True, False], [False, False]]])  # one group kept as it is
+    store.rebuild(dk, dv, exact, mx.array([[[0, 1], [0, 1]]]))
+    back_k, back_v = store.dequantize(mx.float32)
+    assert rel(back_k, rows_k) < 0.2 and rel(back_v, values) < 0.2
+    assert mx.array_equal(back_k[0, 0, :GROUP], dk[0, 0, :GROUP])  # kept exactly

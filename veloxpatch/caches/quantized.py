@@ -465,6 +465,8 @@ class QuantizedStore:
             part.take_groups(g)
 
     def rebuild(self, k, v, exact, gid) -> None:
+        if self.signs is not None:  # unrotated rows in, as `append` takes them
+            k, v = rotate(k, self.signs), rotate(v, self.signs)
         split = zip(self.parts, *(self._split(x) for x in (k, v, exact, gid)))
         for part, kh, vh, eh, gh in split:
             part.rebuild(kh, vh, eh, gh)
