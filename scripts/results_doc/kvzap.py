@@ -227,7 +227,7 @@ def kvzap() -> list[str]:
             "ppl_kvzap_decode_mlp",
             "The evaluation prose's segments with the 2-layer MLP surrogate "
             "(fitted on 16,384 tokens; its file is not committed, "
-            "`scripts/kvzap_calibration.py` makes it) and `decode=\"attention\"` "
+            '`scripts/kvzap_calibration.py` makes it) and `decode="attention"` '
             "(kvzip's 0.059 is in the table above):",
             KL_KEYS,
         ),

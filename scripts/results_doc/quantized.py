@@ -399,27 +399,35 @@ def _grid_study() -> list[str]:
 
 
 def _rotated_passkey() -> list[str]:
-    """The agnostic passkey cases with rotated 2- and 3-bit rows."""
-    name = "passkey_rotated"
-    if not (rm.RESULTS / f"{name}.json").exists():
-        return []
-    res = load(name)
-    rows = res["passkey"]["table"]
-    keys = ["arms", "tasks", "protocol", "context", "cases", "out"]
-    return [
-        "The agnostic passkey cases (compress first, ask afterwards), the rows "
-        "quantized from the first token:",
-        "",
-        meta(name, res),
-        "",
-        *table(
-            ["arm", "answers", "KV MB"],
-            [[f"`{r['arm']}`", wilson(r), f"{r['kv_mb']:.1f}"] for r in rows],
-        ),
-        "",
-        *command("veloxpatch eval", res["config"], keys),
-        "",
-    ]
+    """The agnostic passkey cases with rotated 2- and 3-bit rows, and with the
+    leanest 2-bit rows (fp16 scales, groups of 64, no residual)."""
+    intros = {
+        "passkey_rotated": "The agnostic passkey cases (compress first, ask "
+        "afterwards), the rows quantized from the first token:",
+        "passkey_rotated_lean": "The same cases with the 2-bit rows of about half "
+        "mlx-lm's 4-bit bytes (fp16 scales, groups of 64, no residual):",
+    }
+    out = []
+    for name, intro in intros.items():
+        if not (rm.RESULTS / f"{name}.json").exists():
+            continue
+        res = load(name)
+        rows = res["passkey"]["table"]
+        keys = ["arms", "tasks", "protocol", "context", "cases", "out"]
+        out += [
+            intro,
+            "",
+            meta(name, res),
+            "",
+            *table(
+                ["arm", "answers", "KV MB"],
+                [[f"`{r['arm']}`", wilson(r), f"{r['kv_mb']:.1f}"] for r in rows],
+            ),
+            "",
+            *command("veloxpatch eval", res["config"], keys),
+            "",
+        ]
+    return out
 
 
 def _rotated_speed() -> list[str]:
