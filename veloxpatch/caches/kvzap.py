@@ -42,7 +42,7 @@ from .base import PAD_POSITION
 from .eviction import PLACEHOLDER_BUDGET, EvictingCache, EvictionOptions
 from .kvzip.choice import compress_together
 from .options import check_choice, check_int, check_number, check_path
-from .snapkv import SnapKVOptions, newest_query_probs, window_score
+from .snapkv import newest_queries_score
 from .storage import padded_to
 
 DEFAULT_BUDGET = 256
@@ -225,8 +225,7 @@ class KVzapCache(EvictingCache):
 
     def decode_scores(self) -> mx.array:
         """[B, Hkv, rows] SnapKV's score under the last `window` decode queries."""
-        probs = newest_query_probs(self, self.decode_queries)
-        return window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
+        return newest_queries_score(self, self.decode_queries)
 
     def trim(self, n):
         n = super().trim(n)

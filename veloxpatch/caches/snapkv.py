@@ -97,6 +97,13 @@ def window_score(probs: mx.array, kernel: int, pool: str) -> mx.array:
     return pool_positions(probs.sum(axis=3), kernel, pool).mean(axis=2)
 
 
+def newest_queries_score(cache, q: mx.array) -> mx.array:
+    """[B, Hkv, T] SnapKV's score (default kernel and pool) of the rows `cache`
+    holds under its newest queries q: how kvzip and kvzap cut while decoding."""
+    probs = newest_query_probs(cache, q)
+    return window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
+
+
 def newest_query_probs(cache, q: mx.array) -> mx.array:
     """[B, Hkv, G, n, T] attention of the n newest queries q (those that end
     at the cache's offset) over the rows `cache` holds."""

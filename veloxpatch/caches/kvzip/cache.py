@@ -58,7 +58,12 @@ from ..attention_math import newest_queries, query_probs, query_tiles
 from ..base import PAD_POSITION
 from ..eviction import EvictingCache, EvictionOptions
 from ..options import check_choice, check_int, check_number
-from ..snapkv import SnapKVOptions, newest_query_probs, window_score
+from ..snapkv import (
+    SnapKVOptions,
+    newest_queries_score,
+    newest_query_probs,
+    window_score,
+)
 from ..storage import padded_to
 from .choice import compress_together
 from .plus import output_gram, plus_scores
@@ -414,8 +419,7 @@ class KVzipCache(EvictingCache):
     def decode_scores(self) -> mx.array:
         """[B, Hkv, T] SnapKV's score under the buffered decode queries: their
         summed probabilities, max-pooled over 7 positions, mean over the group."""
-        probs = newest_query_probs(self, self.decode_queries)
-        return window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
+        return newest_queries_score(self, self.decode_queries)
 
     def trim(self, n):
         n = super().trim(n)
