@@ -293,9 +293,6 @@ class KVzapCache(EvictingCache):
     def keep_counted(self, scores: mx.array, n_keep: int) -> None:
         self.evict_to(n_keep, scores)
         self.share = n_keep
-        # made now, so this layer's old rows are freed before the next layer's
-        # cut (the choice cuts every layer at once: lazily, all old rows at once)
-        mx.eval(self.arrays())
 
     # ---- what the kept fraction and a saved cache need -----------------------------
     def kept_fraction(self) -> float:
