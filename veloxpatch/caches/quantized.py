@@ -28,7 +28,7 @@ kernels cannot express; the uniform grid's error is within 1.1% of theirs at
 2 bits, 8% at 3, `gaussian_step`). The three share one layout and kernels.
 "mxfp4" is mlx's microscaling 4-bit float (e2m1 codes, one shared 8-bit
 exponent per 32 values, no bias), read by the same kernels in its mode.
-scripts/quantizer_kl.py and scripts/rotated_grid.py compare them on SmolLM2.
+scripts/quantizer_kl.py compares them on SmolLM2.
 
 TurboQuant's 1-bit residual (`kv_qjl`, keys per token): a key is quantized on
 bits - 1 bits, and its residual r = k - k_hat is sketched by QJL, the signs of
@@ -84,19 +84,30 @@ def pack(codes: mx.array, bits: int) -> mx.array:
     return words.astype(mx.uint32).reshape(*lead, n // 32 * bits)
 
 
+def _groups(x: mx.array, group: int) -> mx.array:
+    """x [..., n] as float32 groups [..., n / group, group]."""
+    *lead, n = x.shape
+    return x.astype(mx.float32).reshape(*lead, n // group, group)
+
+
+def _encode(x: mx.array, g: mx.array, scales, biases, bits: int):
+    """x's codes on the affine grid `scales` x code + `biases` of its groups g,
+    packed: (words, scales, biases) in mlx's layout. A group of scale 0 is its
+    bias whatever its codes."""
+    s = mx.maximum(scales.astype(mx.float32), 1e-12)
+    codes = mx.round((g - biases.astype(mx.float32)) / s)
+    codes = mx.clip(codes, 0, 2**bits - 1).astype(mx.uint32).reshape(x.shape)
+    return pack(codes, bits), scales[..., 0], biases[..., 0]
+
+
 def minmax_quantize(x: mx.array, group: int, bits: int, dtype=None):
     """The paper's grid in mlx's layout: (words, scales, biases) along the last
     axis, scales and biases in `dtype` (default x's)."""
-    *lead, n = x.shape
     dtype = dtype or x.dtype
-    g = x.astype(mx.float32).reshape(*lead, n // group, group)
+    g = _groups(x, group)
     lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
     scales = ((hi - lo) / (2**bits - 1)).astype(dtype)
-    biases = lo.astype(dtype)
-    s = mx.maximum(scales.astype(mx.float32), 1e-12)  # a constant group: code 0
-    codes = mx.round((g - biases.astype(mx.float32)) / s)
-    codes = mx.clip(codes, 0, 2**bits - 1).astype(mx.uint32).reshape(*lead, n)
-    return pack(codes, bits), scales[..., 0], biases[..., 0]
+    return _encode(x, g, scales, lo.astype(dtype), bits)
 
 
 @functools.cache
@@ -129,21 +140,13 @@ def gaussian_quantize(x: mx.array, group: int, bits: int, dtype=None):
     `gaussian_step` grid of its own mean and standard deviation, centred on
     the mean; a constant group is its mean exactly. Scales and biases in
     `dtype` (default x's)."""
-    *lead, n = x.shape
     dtype = dtype or x.dtype
-    g = x.astype(mx.float32).reshape(*lead, n // group, group)
+    g = _groups(x, group)
     mean = g.mean(-1, keepdims=True)
     std = mx.sqrt(((g - mean) ** 2).mean(-1, keepdims=True))
-    levels = 2**bits - 1
     step = (std * gaussian_step(bits)).astype(dtype)
-    biases = (mean - step.astype(mx.float32) * (levels / 2)).astype(dtype)
-    s = step.astype(mx.float32)
-    spread = s > 0
-    codes = mx.round((g - biases.astype(mx.float32)) / mx.where(spread, s, 1.0))
-    codes = mx.where(spread, mx.clip(codes, 0, levels), 0)
-    biases = mx.where(spread, biases, mean.astype(dtype))
-    codes = codes.astype(mx.uint32).reshape(*lead, n)
-    return pack(codes, bits), step[..., 0], biases[..., 0]
+    biases = mean - step.astype(mx.float32) * ((2**bits - 1) / 2)
+    return _encode(x, g, step, biases.astype(dtype), bits)
 
 
 def quantize(x: mx.array, group: int, bits: int, grid: str = "minmax", dtype=None):
