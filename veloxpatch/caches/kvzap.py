@@ -26,6 +26,12 @@ Two modes, as kvpress:
   (`decode="attention"`, as kvzip decodes: a continuation reads what they
   read), or by the predicted scores (`decode="surrogate"`, no query read).
   `layerwise=True`: each layer keeps `budget`.
+
+`tail=N` (budget mode, as kvzip's): each model-wide choice during the prompt
+also ranks a row by its KVzip+ weight under the prompt's newest N queries (the
+maximum of that and its predicted score): what a continuation reads first, and
+the question's needle when the question ends the prompt. Only the choice reads
+it; a row's stored score stays its prediction.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ from .attention_math import newest_queries
 from .base import PAD_POSITION
 from .eviction import PLACEHOLDER_BUDGET, EvictingCache, EvictionOptions
 from .kvzip.choice import compress_together
+from .kvzip.plus import output_gram, plus_scores
 from .options import check_choice, check_int, check_number, check_path
-from .snapkv import newest_queries_score
+from .snapkv import newest_queries_score, newest_query_probs
 from .storage import padded_to
 
 DEFAULT_BUDGET = 256
@@ -68,7 +75,8 @@ class KVzapOptions(EvictionOptions):
     within a call. `floor`: fraction of the budget each head keeps at least.
     `layerwise`: every layer keeps `budget` instead of one model-wide choice.
     `decode`: what decides the cuts while decoding in budget mode,
-    "attention" (the newest queries) or "surrogate"."""
+    "attention" (the newest queries) or "surrogate". `tail`: the prompt's
+    newest queries that also rank rows at each model-wide choice (0: none)."""
 
     budget: int | None = None
     scorer: str | None = None
@@ -78,6 +86,7 @@ class KVzapOptions(EvictionOptions):
     floor: float = 0.5
     layerwise: bool = False
     decode: str = "attention"
+    tail: int = 32
 
     def recent_rows(self):
         return self.window
@@ -107,6 +116,7 @@ class KVzapOptions(EvictionOptions):
         check_int("window", self.window, 0)
         check_int("chunk", self.chunk, 1)
         check_number("floor", self.floor, 0, 1)
+        check_int("tail", self.tail, 0)
         check_choice("decode", self.decode, ("attention", "surrogate"))
         if not isinstance(self.layerwise, bool):
             raise OptionError(
@@ -181,6 +191,10 @@ class KVzapCache(EvictingCache):
         self.unjudged = 0  # newest rows no cut has looked at yet
         self.entered = 0  # pairs that entered, per head (the kept fraction)
         self.decode_queries = None  # budget mode: the last `window` decode queries
+        # budget mode: the prompt's newest `tail` queries and their attention inputs
+        self.tail_queries = self.tail_x = None
+        self.wo_gram = None  # W_o^T W_o per query head (KVzip+ weights)
+        self.tail_scores = None  # [B, Hkv, rows] during a model-wide choice
 
     # ---- scoring as rows enter -------------------------------------------------
     def attend(self, q, k, v, *, rope, scale, query_scale=None):
@@ -194,7 +208,14 @@ class KVzapCache(EvictingCache):
                 "kvzap scores from the hidden state entering attention; this call "
                 "did not come through a patched attention layer"
             )
-        self.pending = surrogate_scores(self.scorer, self.layer_input[0])
+        x, o_proj = self.layer_input
+        self.pending = surrogate_scores(self.scorer, x)
+        n = self.options.tail
+        if n and self.options.threshold is None and self.in_prompt:
+            if self.wo_gram is None:
+                self.wo_gram = output_gram(o_proj, q.shape[1])
+            xs = x if self.tail_x is None else mx.concatenate([self.tail_x, x], 1)
+            self.tail_x = xs[:, -n:]
         return super().attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
 
     def after_attend(self, q, new_rows):
@@ -212,6 +233,10 @@ class KVzapCache(EvictingCache):
             if self.in_prompt or self.unjudged >= max(1, self.options.window):
                 self.drop_below()
         elif self.in_prompt:
+            if self.tail_x is not None:
+                self.tail_queries = newest_queries(
+                    self.tail_queries, q, self.options.tail
+                )
             if self.is_last_member() and self.pending.shape[-1] == 0:
                 self.choose_together()
         else:
@@ -229,9 +254,14 @@ class KVzapCache(EvictingCache):
 
     def trim(self, n):
         n = super().trim(n)
-        if n:
-            self.decode_queries = None  # they may include trimmed tokens
+        if n:  # they may include trimmed tokens
+            self.decode_queries = self.tail_queries = self.tail_x = None
         return n
+
+    def end_prompt(self):
+        self.tail_queries = self.tail_x = None  # a later prompt gathers its own
+        if self.options.threshold is None:
+            self.compress()
 
     # ---- threshold mode ----------------------------------------------------------
     def drop_below(self) -> None:
@@ -264,10 +294,6 @@ class KVzapCache(EvictingCache):
         cut = -(-(start + 1) // self.options.chunk) * self.options.chunk
         return cut if cut < end else None
 
-    def end_prompt(self):
-        if self.options.threshold is None:
-            self.compress()
-
     def scores(self, q=None) -> mx.array:
         # the base's cuts (within a call, at the prompt end) read the stored scores;
         # threshold mode's pieces were judged as they were held (after_attend)
@@ -284,13 +310,27 @@ class KVzapCache(EvictingCache):
 
     # what kvzip's model-wide choice (`compress_together`) asks of a cache
     def raise_tail_scores(self) -> None:
-        pass
+        """The log KVzip+ weight of each held row under the tail queries, for
+        this choice only (`row_scores` ranks by the larger)."""
+        q = self.tail_queries
+        if q is None or self.zscore is None:
+            return
+        n = q.shape[2]
+        keys, values = self._view()
+        if hasattr(values, "rows_dense"):  # quantized rows
+            _, values = values.rows_dense()
+        probs = newest_query_probs(self, q)  # [B, Hkv, G, n, rows]
+        w = plus_scores(probs, values, self.tail_x[:, -n:], self.wo_gram)
+        self.tail_scores = mx.log(mx.maximum(w, 1e-30))
 
     def row_scores(self) -> mx.array:
-        """[B, Hkv, rows] every row's predicted score."""
-        return padded_to(self.zscore, self.rows)[..., : self.rows]
+        """[B, Hkv, rows] every row's predicted score (during a model-wide
+        choice, raised to its weight under the tail queries)."""
+        z = padded_to(self.zscore, self.rows)[..., : self.rows]
+        return z if self.tail_scores is None else mx.maximum(z, self.tail_scores)
 
     def keep_counted(self, scores: mx.array, n_keep: int) -> None:
+        self.tail_scores = None
         self.evict_to(n_keep, scores)
         self.share = n_keep
 
