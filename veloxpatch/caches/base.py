@@ -44,6 +44,7 @@ class Seen:
     scale: float
     query_scale: Any  # None, or Ministral 3's per-position attn_scale
     x: Any = None  # [B, L, hidden] the hidden state entering attention
+    o_proj: Any = None  # the layer's output projection (KVzip+ weights)
 
 
 # An mlx-lm cache by its methods alone: mlx-lm duck-types caches (no base class).
@@ -167,11 +168,22 @@ class VeloxCache(RowStorage):
         q_pre, k_pre = q, k
         q, k = self.rotate(q, k, rope, offset, query_scale)
         if self.probe is not None:
-            x = self.layer_input
+            x, o_proj = self.layer_input or (None, None)
             if x is not None:  # this piece's rows of the call's input
-                x = x[0][:, offset - self.call_offset : offset - self.call_offset + L]
+                x = x[:, offset - self.call_offset : offset - self.call_offset + L]
             seen = Seen(
-                self.layer, offset, q_pre, k_pre, v, q, k, rope, scale, query_scale, x
+                self.layer,
+                offset,
+                q_pre,
+                k_pre,
+                v,
+                q,
+                k,
+                rope,
+                scale,
+                query_scale,
+                x,
+                o_proj,
             )
             self.probe(seen)
         keys, values = self._append(k, v, offset)

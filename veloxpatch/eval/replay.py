@@ -28,6 +28,7 @@ from ..probe import run_probe
 class Captured:
     calls: list  # per layer: list of (q, k, v, rope, scale, query_scale, x)
     tokens: list[int]  # the tokens processed
+    o_projs: list  # per layer: its output projection (kvzap's KVzip+ weights)
     # (algo, options but budget) -> per layer (cache before after_attend, its q)
     attended: dict = field(default_factory=dict)
 
@@ -46,9 +47,9 @@ class Captured:
             # one phase from the start: the last layer to attend a call sees
             # every layer's rows (kvzap's model-wide choice), as in a direct run
             share_phase(caches)
-            for cache, calls in zip(caches, self.calls):
+            for cache, calls, o_proj in zip(caches, self.calls, self.o_projs):
                 for q, k, v, rope, scale, query_scale, x in _split(calls, chunks):
-                    cache.layer_input = (x, None)  # the hidden state (kvzap)
+                    cache.layer_input = (x, o_proj)  # as the patched layer hands it
                     cache.attend(
                         q, k, v, rope=rope, scale=scale, query_scale=query_scale
                     )
@@ -78,7 +79,7 @@ class Captured:
         for layer, ((q, k, v, rope, scale, query_scale, x),) in enumerate(self.calls):
             cache, seen = cls(opts, layer, len(self.calls)), []
             cache.after_attend = lambda q, new_rows, seen=seen: seen.append(q)
-            cache.layer_input = (x, None)
+            cache.layer_input = (x, self.o_projs[layer])
             cache.attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
             cache.layer_input = None
             del cache.after_attend  # the class hook again
@@ -107,13 +108,15 @@ def capture_prefill(model, tokens) -> Captured:
     if api.patch_of(model) is not None:
         raise RuntimeError("capture_prefill needs an unpatched model")
     calls = [[] for _ in model.layers]
+    o_projs = [None] * len(model.layers)
 
     def record(seen):
         call = (seen.q_pre, seen.k_pre, seen.v, seen.rope, seen.scale)
         calls[seen.layer].append((*call, seen.query_scale, seen.x))
+        o_projs[seen.layer] = seen.o_proj
 
     run_probe(model, list(tokens), record, chunk=max(1, len(tokens)))
     if not all(calls):
         raise RuntimeError("replay needs veloxpatch caches on every layer")
     mx.eval([[(q, k, v, x) for q, k, v, *_, x in layer] for layer in calls])
-    return Captured(calls, list(tokens))
+    return Captured(calls, list(tokens), o_projs)
