@@ -93,6 +93,12 @@ ROTATED = [
         dict(budget=40, window=4, kv_bits=4, kv_residual=4, kv_grid="mxfp4"),
         "snapkv-mxfp4",
     ),
+    # the first rows held dense ahead of the quantized groups
+    (
+        "kivi",
+        dict(bits=2, residual=4, kv_rotate="hadamard", kv_sinks=2),
+        "kivi-sinks",
+    ),
 ]
 # kvzap's other mode: drop what scores under 0 (about half), capped by a budget
 THRESHOLD = [

@@ -327,3 +327,76 @@ def test_a_rebuilt_rotated_store_holds_the_rows_it_was_given(keys):
     back_k, back_v = store.dequantize(mx.float32)
     assert rel(back_k, rows_k) < 0.2 and rel(back_v, values) < 0.2
     assert mx.array_equal(back_k[0, 0, :GROUP], dk[0, 0, :GROUP])  # kept exactly
+
+
+# ---- dense sinks (kv_sinks) -----------------------------------------------------
+@pytest.mark.parametrize("keys", ["channel", "token"])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+def test_sink_rows_stay_exact_and_attention_equals_dense_attention(heads, keys):
+    hq, hkv = heads
+    cls = ALGORITHMS["kivi"]
+    opts = dict(bits=2, residual=4, kv_rotate="hadamard", kv_keys=keys, kv_sinks=3)
+    cache = cls(cls.Options(**opts))
+    total, first = 0, None
+    for i, L in enumerate([20, 30, 25, 1, 1]):
+        kq, kk, kv = mx.random.split(mx.random.key(7 + i), 3)
+        q = mx.random.normal((1, hq, L, D), key=kq)
+        k = mx.random.normal((1, hkv, L, D), key=kk)
+        v = mx.random.normal((1, hkv, L, D), key=kv)
+        first = (k[:, :, :3], v[:, :, :3]) if first is None else first
+        dk, dv = k, v
+        if total:
+            dk, dv = cache._view()[0].rows_dense()
+            dk, dv = mx.concatenate([dk, k], 2), mx.concatenate([dv, v], 2)
+        out = cache.attend(q, k, v, rope=lambda t, offset=0: t, scale=D**-0.5)
+        total += L
+        mask = mx.arange(total)[None] <= mx.arange(total - L, total)[:, None]
+        ref = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=D**-0.5, mask=mask)
+        assert rel(out, ref) < 1e-5
+    # 3 sinks, then whole groups of 32 past the residual of 4
+    assert cache.store.sink_rows == 3 and cache.quantized == 3 + 2 * GROUP
+    dk, dv = cache._view()[0].rows_dense()
+    assert mx.array_equal(dk[:, :, :3], first[0])  # held exactly
+    assert mx.array_equal(dv[:, :, :3], first[1])
+
+
+def test_sinks_survive_save_trim_and_count_in_the_bytes(tmp_path):
+    model = tiny_model("qwen3", head_dim=D)
+    opts = dict(bits=2, residual=4, kv_rotate="hadamard", kv_sinks=2)
+    ids = prompt_tokens(80)[None]
+    with veloxpatch.patched(model, "kivi", **opts) as patch:
+        caches = patch.make_cache()
+        model(ids, cache=caches)
+    with veloxpatch.patched(model, "kivi", bits=2, residual=4, kv_rotate="hadamard"):
+        plain = model.make_cache()
+        model(ids, cache=plain)
+    extra = sum(c.store.nbytes for c in caches) - sum(c.store.nbytes for c in plain)
+    kv_heads, layers = caches[0].keys.shape[1], len(caches)
+    # 2 dense rows of keys and values in each head, fp32, and one group fewer
+    # quantized (80 - 4 = 76 rows: 2 sinks + 2 groups, against 2 groups)
+    assert extra == 2 * 2 * D * 4 * kv_heads * layers
+    with veloxpatch.patched(model, "kivi", **opts):
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+        assert all(c.store.sink_rows == 2 for c in loaded)
+        nxt = mx.array([[5]])
+        assert mx.array_equal(model(nxt, cache=caches), model(nxt, cache=loaded))
+        # trimmed into the sinks, then refilled: as if the rows were never there
+        fresh = model.make_cache()
+        model(ids[:, :1], cache=fresh)
+        for c in loaded:
+            c.trim(c.offset - 1)
+        assert all(c.store.sink_rows == 1 for c in loaded)
+        more = prompt_tokens(60, seed=3)[None]
+        np.testing.assert_allclose(
+            np.array(model(more, cache=loaded)),
+            np.array(model(more, cache=fresh)),
+            atol=1e-4,
+        )
+
+
+def test_sink_options_are_checked():
+    with pytest.raises(OptionError, match="kv_sinks"):
+        ALGORITHMS["kivi"].Options(kv_sinks=-1)
+    with pytest.raises(OptionError, match="kv_sinks"):
+        ALGORITHMS["kivi"].Options(kv_sinks=True)

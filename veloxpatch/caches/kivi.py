@@ -27,7 +27,7 @@ from .kv_bits import (
     check_rotatable,
     check_rotate,
 )
-from .options import CacheOptions
+from .options import CacheOptions, check_int
 
 
 @dataclasses.dataclass
@@ -41,7 +41,8 @@ class KIVIOptions(CacheOptions):
     `kv_grid`: "minmax" (the paper's), "mlx" (mx.quantize), "gaussian"
     (TurboQuant's scalar quantizer) or "mxfp4" (`quantized.py`). `kv_scales=
     "float16"`: each group's scale and bias in fp16 (default: the model's).
-    `kv_qjl=True`: TurboQuant's 1-bit residual on keys (`kv_keys="token"`)."""
+    `kv_qjl=True`: TurboQuant's 1-bit residual on keys (`kv_keys="token"`).
+    `kv_sinks`: the first rows held dense, never quantized (`quantized.py`)."""
 
     bits: int | str = 2
     group: int = 32
@@ -52,6 +53,7 @@ class KIVIOptions(CacheOptions):
     kv_grid: str = "minmax"
     kv_scales: str = "model"
     kv_qjl: bool = False
+    kv_sinks: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -59,6 +61,7 @@ class KIVIOptions(CacheOptions):
         check_rotate(self.kv_rotate, self.kv_keys, self.bits)
         check_grid(self.kv_grid, self.bits, self.group, scales=self.kv_scales)
         check_qjl(self.kv_qjl, self.bits, self.kv_keys, self.kv_grid)
+        check_int("kv_sinks", self.kv_sinks, 0)
 
     def bind(self, model, dims):
         check_group_divides(dims, self.group)

@@ -152,7 +152,7 @@ class QuantizedKV:
     def truncate_rows(self, n):
         if self.positions is not None:  # held exactly, not in a grown buffer
             self.positions = self.positions[..., :n]
-        tq, g = self.quantized, self.options.kv_group
+        tq = self.quantized
         if self.slot is not None:
             self.slot = self.slot[..., :n]
         elif n >= tq:
@@ -162,7 +162,7 @@ class QuantizedKV:
             )
         else:  # whole groups stay; the rest of the last one is holes
             B, H = self.keys.shape[:2]
-            self.store.truncate(-(-n // g) * g)
+            self.store.truncate(self.store.kept_rows(n))
             self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
             self.slot = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (B, H, n))
         self.rows = n
@@ -254,7 +254,7 @@ class QuantizedKV:
             if self._adaptive or self.keys is None:
                 return  # adaptive: widths are chosen when the prompt ends
             self.store = self._new_store((o.kv_bits,) * self.keys.shape[1])
-        n = (self.keys.shape[2] - o.kv_residual) // o.kv_group * o.kv_group
+        n = self.store.to_fill(self.keys.shape[2] - o.kv_residual)
         if n > 0:
             self.store.append(self.keys[:, :, :n], self.values[:, :, :n])
             self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
@@ -271,8 +271,9 @@ class QuantizedKV:
         o = self.options
         D = self.keys.shape[3]
         qjl = qjl_matrix(D, self.layer) if o.kv_qjl else None
+        sinks = getattr(o, "kv_sinks", 0)  # (kivi's: eviction never keeps them)
         return QuantizedStore(
-            bits, o.kv_group, signs, o.kv_keys, o.kv_grid, o.kv_scales, qjl
+            bits, o.kv_group, signs, o.kv_keys, o.kv_grid, o.kv_scales, qjl, sinks
         )
 
     def side_arrays(self):
@@ -300,7 +301,8 @@ class QuantizedKV:
         return st
 
     def load_storage(self, st):
-        self.store = QuantizedStore.from_state(st, self.options.kv_group)
+        sinks = getattr(self.options, "kv_sinks", 0)
+        self.store = QuantizedStore.from_state(st, self.options.kv_group, sinks)
         for k in [k for k in st if k.split(".")[0] in ("q", *self._part_names())]:
             st.pop(k)
         self.slot = st.pop("slot", None)

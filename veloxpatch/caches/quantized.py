@@ -49,6 +49,12 @@ over every coordinate before quantizing. q . k = (q M) . (k M), so a query is
 rotated once before the key kernel, and p . (V M) M^T gives the output: the
 store still never dequantizes, and everything outside it (scores, eviction,
 dequantized copies) sees unrotated rows.
+
+Sinks (`sinks=N`, kivi's `kv_sinks`): the store's first N rows (the first
+tokens, where attention sinks its surplus) are held dense and unrotated ahead of
+the quantized groups. Their keys are outliers that take a group's scale, and
+every query reads them: at 2 bits keeping them dense halves SmolLM2's
+continuation KL for 1/2000 of the rows (docs/results.md).
 """
 
 from __future__ import annotations
@@ -396,7 +402,8 @@ class QuantizedStore:
     per head): heads of one width are stored together, and what attention
     reads is put back in head order. `signs` [H, D]: rows stored rotated (module
     doc); they and every read are unrotated here. The signs are state, not KV:
-    `arrays()` (the bytes held) leaves them out."""
+    `arrays()` (the bytes held) leaves them out. `sinks`: the first rows held
+    dense (`sink_k`, `sink_v` [B, H, <= sinks, D]), before the quantized ones."""
 
     def __init__(
         self,
@@ -407,9 +414,12 @@ class QuantizedStore:
         grid: str = "minmax",
         scales: str = "model",
         qjl: mx.array | None = None,
+        sinks: int = 0,
     ):
         self.bits, self.group, self.signs, self.keys = tuple(bits), group, signs, keys
         self.grid, self.scales, self.qjl = grid, scales, qjl
+        self.sinks = sinks
+        self.sink_k = self.sink_v = None
         self.widths = sorted(set(self.bits))
         self.heads = [
             [h for h, b in enumerate(self.bits) if b == w] for w in self.widths
@@ -423,8 +433,18 @@ class QuantizedStore:
             self.inverse = mx.array([order.index(h) for h in range(len(order))])
 
     @property
+    def sink_rows(self) -> int:
+        return 0 if self.sink_k is None else self.sink_k.shape[2]
+
+    @property
     def rows(self) -> int:
-        return self.parts[0].rows
+        return self.sink_rows + self.parts[0].rows
+
+    def to_fill(self, n: int) -> int:
+        """How many of n rows past the residual to add: the sinks still
+        missing, then whole groups."""
+        lead = min(n, self.sinks - self.sink_rows)
+        return lead + (n - lead) // self.group * self.group
 
     def _split(self, x: mx.array):
         if len(self.parts) == 1:
@@ -438,45 +458,92 @@ class QuantizedStore:
         return x if self.inverse is None else x[:, self.inverse]
 
     def append(self, k, v) -> None:
+        """Add rows [B, H, n, D]: the sinks still missing first, then whole
+        groups (`to_fill`)."""
+        lead = min(k.shape[2], self.sinks - self.sink_rows)
+        if lead > 0:
+            self.sink_k = _cat(self.sink_k, k[:, :, :lead], 2)
+            self.sink_v = _cat(self.sink_v, v[:, :, :lead], 2)
+            k, v = k[:, :, lead:], v[:, :, lead:]
+        if k.shape[2] == 0:
+            return
         if self.signs is not None:
             k, v = rotate(k, self.signs), rotate(v, self.signs)
         for part, kh, vh in zip(self.parts, self._split(k), self._split(v)):
             part.append(kh, vh)
 
     def logits(self, q: mx.array) -> mx.array:
+        sink = [] if self.sink_k is None else [q @ self.sink_k.swapaxes(-1, -2)]
+        if not self.parts[0].rows:
+            return sink[0]
         if self.signs is not None:
             q = rotate(q, self.signs)
-        return self._join([p.logits(qh) for p, qh in zip(self.parts, self._split(q))])
+        quant = [p.logits(qh) for p, qh in zip(self.parts, self._split(q))]
+        return mx.concatenate([*sink, self._join(quant).astype(q.dtype)], axis=-1)
 
     def weighted(self, p: mx.array) -> mx.array:
-        parts = zip(self.parts, self._split(p))
+        s = self.sink_rows
+        sink = None if not s else p[..., :s] @ self.sink_v
+        if not self.parts[0].rows:
+            return sink
+        parts = zip(self.parts, self._split(p[..., s:] if s else p))
         out = self._join([part.weighted(ph) for part, ph in parts])
-        return out if self.signs is None else unrotate(out, self.signs)
+        out = out if self.signs is None else unrotate(out, self.signs)
+        return out if sink is None else sink + out.astype(sink.dtype)
 
     def dequantize(self, dtype):
-        pairs = [part.dequantize(dtype) for part in self.parts]
-        keys, values = (
-            self._join([k for k, _ in pairs]),
-            self._join([v for _, v in pairs]),
-        )
-        if self.signs is not None:
-            keys, values = unrotate(keys, self.signs), unrotate(values, self.signs)
-        return keys, values
+        keys = values = None
+        if self.parts[0].rows:
+            pairs = [part.dequantize(dtype) for part in self.parts]
+            keys, values = (
+                self._join([k for k, _ in pairs]),
+                self._join([v for _, v in pairs]),
+            )
+            if self.signs is not None:
+                keys = unrotate(keys, self.signs)
+                values = unrotate(values, self.signs)
+        if self.sink_k is None:
+            return keys, values
+        sk, sv = self.sink_k.astype(dtype), self.sink_v.astype(dtype)
+        if keys is None:
+            return sk, sv
+        return mx.concatenate([sk, keys], 2), mx.concatenate([sv, values], 2)
 
     def take_groups(self, gid) -> None:
+        self._no_sinks()
         for part, g in zip(self.parts, self._split(gid)):
             part.take_groups(g)
 
+    def _no_sinks(self) -> None:
+        if self.sinks:  # only eviction regroups rows, and kivi never evicts
+            raise ValueError("quantized rows with dense sinks cannot be regrouped")
+
     def rebuild(self, k, v, exact, gid) -> None:
+        self._no_sinks()
         if self.signs is not None:  # unrotated rows in, as `append` takes them
             k, v = rotate(k, self.signs), rotate(v, self.signs)
         split = zip(self.parts, *(self._split(x) for x in (k, v, exact, gid)))
         for part, kh, vh, eh, gh in split:
             part.rebuild(kh, vh, eh, gh)
 
+    def kept_rows(self, n: int) -> int:
+        """The rows `truncate` keeps to hold the first n: the sinks exactly,
+        then whole groups."""
+        s = self.sink_rows
+        return n if n <= s else s + -(-(n - s) // self.group) * self.group
+
     def truncate(self, rows: int) -> None:
+        """Keep the first `rows` (a `kept_rows` value)."""
+        s = self.sink_rows
+        if rows < s:
+            self.sink_k, self.sink_v = (
+                self.sink_k[:, :, :rows],
+                self.sink_v[:, :, :rows],
+            )
+            if not rows:
+                self.sink_k = self.sink_v = None
         for part in self.parts:
-            part.truncate(rows)
+            part.truncate(max(0, rows - s))
 
     def clone(self) -> QuantizedStore:
         new = QuantizedStore(
@@ -487,13 +554,16 @@ class QuantizedStore:
             self.grid,
             self.scales,
             self.qjl,
+            self.sinks,
         )
+        new.sink_k, new.sink_v = self.sink_k, self.sink_v
         for src, dst in zip(self.parts, new.parts):
             dst.load(src.state("p"), "p")
         return new
 
     def arrays(self) -> list[mx.array]:
-        return [a for part in self.parts for a in part.arrays()]
+        sink = [] if self.sink_k is None else [self.sink_k, self.sink_v]
+        return sink + [a for part in self.parts for a in part.arrays()]
 
     @property
     def nbytes(self) -> int:
@@ -511,12 +581,14 @@ class QuantizedStore:
             st["q.scales16"] = mx.array([1], dtype=mx.int32)
         if self.qjl is not None:
             st["q.qjl"] = self.qjl
+        if self.sink_k is not None:
+            st["q.sink_k"], st["q.sink_v"] = self.sink_k, self.sink_v
         for w, part in zip(self.widths, self.parts):
             st.update(part.state(f"q{w}"))
         return st
 
     @classmethod
-    def from_state(cls, st: dict, group: int) -> QuantizedStore | None:
+    def from_state(cls, st: dict, group: int, sinks: int = 0) -> QuantizedStore | None:
         if "q.bits" not in st:
             return None
         keys = "token" if "q.token_keys" in st else "channel"
@@ -526,7 +598,15 @@ class QuantizedStore:
             raise ValueError(f"unknown quantization grid code {code}")
         bits = tuple(st["q.bits"].tolist())
         scales = "float16" if "q.scales16" in st else "model"
-        store = cls(bits, group, st.get("q.signs"), keys, grid, scales, st.get("q.qjl"))
+        store = cls(
+            bits, group, st.get("q.signs"), keys, grid, scales, st.get("q.qjl"), sinks
+        )
+        store.sink_k, store.sink_v = st.get("q.sink_k"), st.get("q.sink_v")
+        if store.sink_rows > sinks:
+            raise ValueError(
+                f"the saved rows hold {store.sink_rows} dense sinks, these "
+                f"options {sinks}"
+            )
         for w, part in zip(store.widths, store.parts):
             part.load(st, f"q{w}")
         return store
