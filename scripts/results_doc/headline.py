@@ -112,8 +112,13 @@ def later_bullets() -> list[str]:
             f"{count(pk[c])} in-prompt needles at 512 rows against {count(pk[e])} "
             "at the prompt's end: not the default."
         )
-    if (rm.RESULTS / "passkey_kvzap_aware_default.json").exists():
-        aware = load("passkey_kvzap_aware_default")["passkey"]["table"]
+    newest = [
+        n
+        for n in ("passkey_kvzap_aware_tail", "passkey_kvzap_aware_default")
+        if (rm.RESULTS / f"{n}.json").exists()
+    ]
+    if newest:
+        aware = load(newest[0])["passkey"]["table"]
         kz = next(r for r in aware if r["algo"] == "kvzap")
         cost = ""
         if (rm.RESULTS / "bench_kvzap.json").exists():
@@ -143,22 +148,25 @@ def later_bullets() -> list[str]:
             pk = by_key(load("passkey_rotated")["passkey"]["table"])
             a, b = pk["kivi:bits=2"], pk["kivi:bits=2,kv_rotate=hadamard"]
             passkey = f"; agnostic passkey {count(a)} to {count(b)}"
-        lean = ""
-        if (rm.RESULTS / "quantizer_grid_rotated.json").exists():
-            rows = load("quantizer_grid_rotated")["table"]
-            m = by_key(rows)["mlx.quantized:kv_bits=4"]
-            fits = [
-                r
-                for r in rows
-                if "bits=2" in r["arm"] and r["kv_bytes"] <= 0.6 * m["kv_bytes"]
-            ]
-            if fits:
-                b = min(fits, key=lambda r: r["kl"])
-                word = "a loss" if b["kl"] > m["kl"] else "a win"
-                lean = (
-                    f"; within 0.6x its bytes (fp16 scales, groups of 64) KL "
-                    f"{b['kl']:.3f} against its {m['kl']:.3f}, {word}"
-                )
+        lean, fits = "", []
+        for name in ("quantizer_grid_rotated", "quantizer_sinks"):
+            if (rm.RESULTS / f"{name}.json").exists():
+                rows = load(name)["table"]
+                m4_row = by_key(rows)["mlx.quantized:kv_bits=4"]
+                fits += [
+                    (r, m4_row)
+                    for r in rows
+                    if "bits=2" in r["arm"]
+                    and r["kv_bytes"] <= 0.6 * m4_row["kv_bytes"]
+                ]
+        if fits:
+            b, m = min(fits, key=lambda f: f[0]["kl"])
+            word = "a loss" if b["kl"] > m["kl"] else "a win"
+            sinks = ", the first row dense" if "kv_sinks" in b["arm"] else ""
+            lean = (
+                f"; within 0.6x its bytes (fp16 scales, groups of 64{sinks}) KL "
+                f"{b['kl']:.3f} against its {m['kl']:.3f}, {word}"
+            )
         out.append(
             f'- `kv_rotate="hadamard"`: 2-bit KIVI KL {" and ".join(parts)} at '
             f"{r2['kv_mb'] / m4['kv_mb']:.2f}x its bytes{passkey}{lean}."

@@ -25,6 +25,11 @@ KL_DECODE = "ppl_kvzap_decode"
 KL_DECODE_LICENSES = "ppl_kvzap_decode_licenses"
 KL = "ppl_kvzap"
 BENCH = "bench_kvzap"
+# `tail` (the prompt's newest queries also rank rows at each choice)
+KL_TAIL = "ppl_kvzap_tail"
+KL_TAIL_LICENSES = "ppl_kvzap_tail_licenses"
+AWARE_TAIL = "passkey_kvzap_aware_tail"
+AGNOSTIC_TAIL = "passkey_kvzap_agnostic_tail"
 
 
 def _have(name: str) -> bool:
@@ -166,6 +171,23 @@ def passkey_parts() -> list[tuple[str, str, bool]]:
             "above cut every 512 tokens):",
             False,
         ),
+        (
+            AWARE_TAIL,
+            "### The prompt's newest queries at each choice (`tail`)\n\n"
+            "As kvzip's `tail`: at each model-wide choice during the prompt a "
+            "row also ranks by its KVzip+ weight under the prompt's newest 32 "
+            "queries (the larger of that and its predicted score; the stored "
+            "score stays the prediction). When the question ends the prompt "
+            "those are its queries. The in-prompt cases above, kvzap at its "
+            "default (`tail` 32):",
+            False,
+        ),
+        (
+            AGNOSTIC_TAIL,
+            "The agnostic cases (the first table's; there the newest queries are "
+            "the context's own end), with and without it:",
+            False,
+        ),
     ]
 
 
@@ -230,6 +252,17 @@ def kvzap() -> list[str]:
             '`scripts/kvzap_calibration.py` makes it) and `decode="attention"` '
             "(kvzip's 0.059 is in the table above):",
             KL_KEYS,
+        ),
+        (
+            KL_TAIL,
+            "The evaluation prose's segments with and without `tail` (kvzip's "
+            "0.059 is in the table above):",
+            KL_KEYS,
+        ),
+        (
+            KL_TAIL_LICENSES,
+            "The second prose with `tail` (kvzip's 0.147 as above):",
+            [*KL_KEYS, "text"],
         ),
         (
             "ppl_kvzap_decode_even_licenses",
@@ -307,38 +340,42 @@ def summary() -> list[str]:
             and ("linear.safetensors" in r["arm"] and "threshold" not in r["arm"])
             and "layerwise" not in r["arm"]
             and "decode=surrogate" not in r["arm"]
+            and "tail=" not in r["arm"]
         )
 
     def kvzip(r):
         return r["arm"] == "kvzip:budget=256"
 
+    def newest(names, part, test):  # the latest run of the defaults
+        return next(filter(None, (_find(n, part, test) for n in names)), None)
+
     out = []
     pairs = [
-        ("agnostic passkey", (OPTIONS, AGNOSTIC), "passkey", "correct"),
+        ("agnostic passkey", ((AGNOSTIC_TAIL, OPTIONS), AGNOSTIC)),
         (
-            "second prose's agnostic passkey (where `chunk` was chosen)",
-            (LICENSES, LICENSES),
-            "passkey",
-            "correct",
+            "second prose's agnostic passkey (where `chunk` was chosen; before `tail`)",
+            ((LICENSES,), LICENSES),
         ),
-        ("in-prompt passkey", (AWARE_DEFAULT, AWARE), "passkey", "correct"),
+        ("in-prompt passkey", ((AWARE_TAIL, AWARE_DEFAULT), AWARE)),
     ]
-    for what, (ours, theirs), part, _ in pairs:
-        a, b = _find(ours, part, default), _find(theirs, part, kvzip)
+    for what, (ours, theirs) in pairs:
+        a, b = newest(ours, "passkey", default), _find(theirs, "passkey", kvzip)
         if a and b:
             ratio = a["correct"] / b["correct"] if b["correct"] else float("nan")
             out.append(
                 f"- {what}: `kvzap` {a['correct']}/{a['cases']}, `kvzip` "
                 f"{b['correct']}/{b['cases']} ({ratio:.2f}x)"
             )
-    for what, name in (
-        ("continuation KL", KL_DECODE),
-        ("second prose's continuation KL", KL_DECODE_LICENSES),
+    for what, names, theirs in (
+        ("continuation KL", (KL_TAIL, KL_DECODE), KL_DECODE),
+        (
+            "second prose's continuation KL",
+            (KL_TAIL_LICENSES, KL_DECODE_LICENSES),
+            KL_LICENSES,
+        ),
     ):
-        a = _find(name, "continuation", default)
-        b = _find(name, "continuation", kvzip) or _find(
-            KL_LICENSES, "continuation", kvzip
-        )
+        a = newest(names, "continuation", default)
+        b = _find(theirs, "continuation", kvzip)
         if a and b:
             verdict = "**loss**: " if a["kl"] > b["kl"] else ""
             out.append(

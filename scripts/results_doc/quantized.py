@@ -334,6 +334,16 @@ def _grid_findings(rows: list[dict]) -> list[str]:
             out.append(f"- within 0.6x its bytes: {cell(b)}, {verdict} its KL")
         else:
             out.append("- no 2-bit arm here fits within 0.6x its bytes")
+    k4 = next((r for r in rows if r["arm"] == "kivi:bits=4"), None)
+    three = [r for r in rows if "bits=3" in r["arm"] and "kv_rotate" in r["arm"]]
+    if k4 and three:
+        b = min(three, key=lambda r: r["kl"])
+        times = b["kl"] / k4["kl"]
+        verdict = "within" if times <= 2 else "**loss**: above"
+        out.append(
+            f"- best at 3 bits rotated: `{b['arm']}` KL {b['kl']:.4f}, {times:.1f}x "
+            f"`kivi:bits=4`'s {k4['kl']:.4f}, {verdict} 2x"
+        )
     return out
 
 
@@ -351,6 +361,10 @@ def _grid_study() -> list[str]:
         "`gaussian` grid: one group per key and value (`group=64`), fp16 scales "
         "and smaller residuals for bytes, and TurboQuant's 1-bit residual "
         "(`kv_qjl`: keys on one bit less plus the sketch, values on all bits)",
+        "quantizer_sinks": "### Dense sinks ahead of the quantized groups\n\n"
+        "`kv_sinks=1`: the first row (the attention sink) held dense, the rest "
+        "as before; each arm with and without it in one run",
+        "quantizer_sinks_licenses": "The same on the second prose",
     }
     names = [n for n in intros if (rm.RESULTS / f"{n}.json").exists()]
     out = []
