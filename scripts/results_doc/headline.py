@@ -91,7 +91,12 @@ def later_rows() -> list[list[str]]:
 
 
 def kvzap_cell() -> str:
-    """kvzap at its default on the agnostic passkey cases, once run."""
+    """kvzap at its default on the agnostic passkey cases, once run (its
+    newest default: `tail`, else the options run's chunk=2048 row)."""
+    if (rm.RESULTS / "passkey_kvzap_agnostic_tail.json").exists():
+        rows = load("passkey_kvzap_agnostic_tail")["passkey"]["table"]
+        r = next(r for r in rows if r["algo"] == "kvzap" and "tail=" not in r["arm"])
+        return f"`kvzap` (no second pass) {count(r)}, "
     if not (rm.RESULTS / "passkey_kvzap_options.json").exists():
         return ""
     rows = load("passkey_kvzap_options")["passkey"]["table"]
