@@ -166,11 +166,10 @@ def later_bullets() -> list[str]:
                 ]
         if fits:
             b, m = min(fits, key=lambda f: f[0]["kl"])
-            word = "a loss" if b["kl"] > m["kl"] else "a win"
-            sinks = ", the first row dense" if "kv_sinks" in b["arm"] else ""
+            word = "loss" if b["kl"] > m["kl"] else "win"
             lean = (
-                f"; within 0.6x its bytes (fp16 scales, groups of 64{sinks}) KL "
-                f"{b['kl']:.3f} against its {m['kl']:.3f}, {word}"
+                f"; at ≤0.6x its bytes KL {b['kl']:.3f} against its {m['kl']:.3f}, "
+                f"{word}"
             )
         out.append(
             f'- `kv_rotate="hadamard"`: 2-bit KIVI KL {" and ".join(parts)} at '
