@@ -271,10 +271,15 @@ class QuantizedKV:
         o = self.options
         D = self.keys.shape[3]
         qjl = qjl_matrix(D, self.layer) if o.kv_qjl else None
-        sinks = getattr(o, "kv_sinks", 0)  # (kivi's: eviction never keeps them)
         return QuantizedStore(
-            bits, o.kv_group, signs, o.kv_keys, o.kv_grid, o.kv_scales, qjl, sinks
+            bits, o.kv_group, signs, o.kv_keys, o.kv_grid, o.kv_scales, qjl, self._sinks
         )
+
+    @property
+    def _sinks(self) -> int:
+        """Rows held dense ahead of the quantized ones (kivi's `kv_sinks`; the
+        eviction algorithms' `kv_bits` has none: it never regroups them)."""
+        return getattr(self.options, "kv_sinks", 0)
 
     def side_arrays(self):
         side = super().side_arrays() + [self.keys, self.values]
@@ -301,8 +306,7 @@ class QuantizedKV:
         return st
 
     def load_storage(self, st):
-        sinks = getattr(self.options, "kv_sinks", 0)
-        self.store = QuantizedStore.from_state(st, self.options.kv_group, sinks)
+        self.store = QuantizedStore.from_state(st, self.options.kv_group, self._sinks)
         for k in [k for k in st if k.split(".")[0] in ("q", *self._part_names())]:
             st.pop(k)
         self.slot = st.pop("slot", None)

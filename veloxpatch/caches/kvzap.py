@@ -316,7 +316,7 @@ class KVzapCache(EvictingCache):
         if q is None or self.zscore is None:
             return
         n = q.shape[2]
-        keys, values = self._view()
+        _, values = self._view()
         if hasattr(values, "rows_dense"):  # quantized rows
             _, values = values.rows_dense()
         probs = newest_query_probs(self, q)  # [B, Hkv, G, n, rows]

@@ -473,13 +473,13 @@ class QuantizedStore:
             part.append(kh, vh)
 
     def logits(self, q: mx.array) -> mx.array:
-        sink = [] if self.sink_k is None else [q @ self.sink_k.swapaxes(-1, -2)]
+        sink = None if self.sink_k is None else q @ self.sink_k.swapaxes(-1, -2)
         if not self.parts[0].rows:
-            return sink[0]
+            return sink
         if self.signs is not None:
             q = rotate(q, self.signs)
-        quant = [p.logits(qh) for p, qh in zip(self.parts, self._split(q))]
-        return mx.concatenate([*sink, self._join(quant).astype(q.dtype)], axis=-1)
+        out = self._join([p.logits(qh) for p, qh in zip(self.parts, self._split(q))])
+        return out if sink is None else mx.concatenate([sink, out], axis=-1)
 
     def weighted(self, p: mx.array) -> mx.array:
         s = self.sink_rows
