@@ -330,31 +330,38 @@ def test_a_rebuilt_rotated_store_holds_the_rows_it_was_given(keys):
 
 
 # ---- dense sinks (kv_sinks) -----------------------------------------------------
+@pytest.mark.parametrize("dense", ["model", "float16"])
 @pytest.mark.parametrize("keys", ["channel", "token"])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
-def test_sink_rows_stay_exact_and_attention_equals_dense_attention(heads, keys):
+def test_sink_rows_stay_exact_and_attention_equals_dense_attention(heads, keys, dense):
     hq, hkv = heads
     cls = ALGORITHMS["kivi"]
     opts = dict(bits=2, residual=4, kv_rotate="hadamard", kv_keys=keys, kv_sinks=3)
-    cache = cls(cls.Options(**opts))
+    cache = cls(cls.Options(**opts, kv_dense=dense))
+    # kv_dense="float16": the rows enter in fp16, and every read sees them so
+    held = (lambda t: t.astype(mx.float16)) if dense == "float16" else (lambda t: t)
     total, first = 0, None
     for i, L in enumerate([20, 30, 25, 1, 1]):
         kq, kk, kv = mx.random.split(mx.random.key(7 + i), 3)
         q = mx.random.normal((1, hq, L, D), key=kq)
-        k = mx.random.normal((1, hkv, L, D), key=kk)
-        v = mx.random.normal((1, hkv, L, D), key=kv)
+        k = held(mx.random.normal((1, hkv, L, D), key=kk))
+        v = held(mx.random.normal((1, hkv, L, D), key=kv))
         first = (k[:, :, :3], v[:, :, :3]) if first is None else first
         dk, dv = k, v
         if total:
             dk, dv = cache._view()[0].rows_dense()
             dk, dv = mx.concatenate([dk, k], 2), mx.concatenate([dv, v], 2)
         out = cache.attend(q, k, v, rope=lambda t, offset=0: t, scale=D**-0.5)
+        assert out.dtype == mx.float32
         total += L
         mask = mx.arange(total)[None] <= mx.arange(total - L, total)[:, None]
+        dk, dv = dk.astype(mx.float32), dv.astype(mx.float32)
         ref = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=D**-0.5, mask=mask)
-        assert rel(out, ref) < 1e-5
+        # fp16 rows: the kernels read their codes in fp32, copies round to fp16
+        assert rel(out, ref) < (2e-3 if dense == "float16" else 1e-5)
     # 3 sinks, then whole groups of 32 past the residual of 4
     assert cache.store.sink_rows == 3 and cache.quantized == 3 + 2 * GROUP
+    assert cache.keys.dtype == (mx.float16 if dense == "float16" else mx.float32)
     dk, dv = cache._view()[0].rows_dense()
     assert mx.array_equal(dk[:, :, :3], first[0])  # held exactly
     assert mx.array_equal(dv[:, :, :3], first[1])
@@ -367,7 +374,8 @@ def test_sinks_survive_save_trim_and_count_in_the_bytes(tmp_path):
     with veloxpatch.patched(model, "kivi", **opts) as patch:
         caches = patch.make_cache()
         model(ids, cache=caches)
-    with veloxpatch.patched(model, "kivi", bits=2, residual=4, kv_rotate="hadamard"):
+    no_sinks = dict(opts, kv_sinks=0)
+    with veloxpatch.patched(model, "kivi", **no_sinks):
         plain = model.make_cache()
         model(ids, cache=plain)
     extra = sum(c.store.nbytes for c in caches) - sum(c.store.nbytes for c in plain)
@@ -393,6 +401,13 @@ def test_sinks_survive_save_trim_and_count_in_the_bytes(tmp_path):
             np.array(model(more, cache=fresh)),
             atol=1e-4,
         )
+
+
+def test_sinks_default_to_one_with_a_rotation_and_none_without():
+    Options = ALGORITHMS["kivi"].Options
+    assert Options(kv_rotate="hadamard").kv_sinks == 1
+    assert Options().kv_sinks == 0  # KIVI's own
+    assert Options(kv_rotate="hadamard", kv_sinks=0).kv_sinks == 0
 
 
 def test_sink_options_are_checked():

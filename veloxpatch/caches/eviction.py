@@ -52,6 +52,8 @@ class EvictionOptions(CacheOptions):
     transform per head (TurboQuant, `quantized.py`); `kv_grid`: "minmax",
     "mlx", "gaussian" (TurboQuant's scalar quantizer) or "mxfp4"; `kv_scales=
     "float16"`: each group's scale and bias in fp16 (default: the model's dtype);
+    `kv_dense="float16"`: the rows not quantized (the residual) in fp16, their
+    groups' scales too once quantized;
     `kv_qjl=True`: TurboQuant's 1-bit residual on keys (per token).
     `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
     (Ada-KV: a layer's heads share budget x heads rows by their scores, each
@@ -71,6 +73,7 @@ class EvictionOptions(CacheOptions):
     kv_keys: str = "channel"
     kv_grid: str = "minmax"
     kv_scales: str = "model"
+    kv_dense: str = "model"
     kv_qjl: bool = False
     head_budget: str = "uniform"
     alpha: float | None = None
@@ -142,7 +145,14 @@ class EvictionOptions(CacheOptions):
             self.kv_bits, self.kv_group, self.kv_residual, self.target_bits, "kv_"
         )
         check_rotate(self.kv_rotate, self.kv_keys, self.kv_bits, "kv_")
-        check_grid(self.kv_grid, self.kv_bits, self.kv_group, "kv_", self.kv_scales)
+        check_grid(
+            self.kv_grid,
+            self.kv_bits,
+            self.kv_group,
+            "kv_",
+            self.kv_scales,
+            self.kv_dense,
+        )
         check_qjl(self.kv_qjl, self.kv_bits, self.kv_keys, self.kv_grid, "kv_")
         check_int("sinks", self.sinks, 0)
         check_int("budget", self.budget, 1)

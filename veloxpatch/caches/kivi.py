@@ -41,8 +41,11 @@ class KIVIOptions(CacheOptions):
     `kv_grid`: "minmax" (the paper's), "mlx" (mx.quantize), "gaussian"
     (TurboQuant's scalar quantizer) or "mxfp4" (`quantized.py`). `kv_scales=
     "float16"`: each group's scale and bias in fp16 (default: the model's).
+    `kv_dense="float16"`: the rows not quantized (residual, sinks) in fp16.
     `kv_qjl=True`: TurboQuant's 1-bit residual on keys (`kv_keys="token"`).
-    `kv_sinks`: the first rows held dense, never quantized (`quantized.py`)."""
+    `kv_sinks`: the first rows held dense, never quantized (`quantized.py`);
+    default 1 with a rotation (it spreads the sink's outlier key over every
+    channel's group), 0 without (KIVI's)."""
 
     bits: int | str = 2
     group: int = 32
@@ -52,15 +55,20 @@ class KIVIOptions(CacheOptions):
     kv_keys: str = "channel"
     kv_grid: str = "minmax"
     kv_scales: str = "model"
+    kv_dense: str = "model"
     kv_qjl: bool = False
-    kv_sinks: int = 0
+    kv_sinks: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
         check_quant(self.bits, self.group, self.residual, self.target_bits)
         check_rotate(self.kv_rotate, self.kv_keys, self.bits)
-        check_grid(self.kv_grid, self.bits, self.group, scales=self.kv_scales)
+        check_grid(
+            self.kv_grid, self.bits, self.group, "", self.kv_scales, self.kv_dense
+        )
         check_qjl(self.kv_qjl, self.bits, self.kv_keys, self.kv_grid)
+        if self.kv_sinks is None:
+            self.kv_sinks = 1 if self.kv_rotate else 0
         check_int("kv_sinks", self.kv_sinks, 0)
 
     def bind(self, model, dims):

@@ -17,7 +17,8 @@ prompt, the others the caller's prefill chunk, on top of the budget.
   slots are the full-precision residual (2 D x dtype size each) and the rest
   quantized (2 D bits / 8 of codes, and a scale and a bias per `group` values in
   the model's dtype: 4 D x dtype size / group; fp16 with `kv_scales`, one byte
-  and no bias with mxfp4; `kv_qjl`: a scale and a bias more per key), plus 8
+  and no bias with mxfp4; `kv_qjl`: a scale and a bias more per key; fp16
+  residual and scales with `kv_dense`), plus 8
   bytes per row (its position and its slot).
   Adaptive widths count their mean, `target_bits`.
 
@@ -90,6 +91,8 @@ def kv_dtype_size(model) -> int:
 
 def slot_bytes(options, head_dim: int, dtype_size: int, quantized: bool) -> int:
     """Bytes of one slot of one KV head: a dense row, or a quantized one."""
+    if getattr(options, "kv_dense", "model") == "float16":
+        dtype_size = 2  # the residual, and the scales of rows quantized from it
     if not quantized:
         return 2 * head_dim * dtype_size
     bits = options.kv_bits

@@ -13,7 +13,7 @@ BITS = (2, 3, 4, 8)
 ROTATIONS = (None, "hadamard")
 KEY_GROUPS = ("channel", "token")  # keys quantized per channel (KIVI) or per token
 GRIDS = ("minmax", "mlx", "gaussian", "mxfp4")  # quantized.py's grids
-SCALES = ("model", "float16")  # the dtype of a quantized group's scale and bias
+SCALES = ("model", "float16")  # the dtype of scales and biases, or of dense rows
 GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
 ADAPTIVE_WIDTHS = (2, 3, 4)
 ENTROPY_WINDOW = 32  # last prompt queries whose attention sets adaptive widths
@@ -53,14 +53,17 @@ def check_rotate(rotate, keys, bits, prefix: str = "") -> None:
         )
 
 
-def check_grid(grid, bits, group, prefix: str = "", scales="model") -> None:
+def check_grid(
+    grid, bits, group, prefix: str = "", scales="model", dense="model"
+) -> None:
     """`kv_grid`: one of GRIDS; "mxfp4" is mlx's 4-bit microscaling format, in
-    groups of 32; `kv_scales`: one of SCALES. Any but the defaults need
-    quantized rows."""
+    groups of 32; `kv_scales` and `kv_dense`: one of SCALES. Any but the
+    defaults need quantized rows."""
     check_choice("kv_grid", grid, GRIDS)
-    check_choice("kv_scales", scales, SCALES)
-    if scales != "model" and bits is None:
-        raise OptionError(f"kv_scales={scales!r} needs {prefix}bits")
+    for name, dtype in (("kv_scales", scales), ("kv_dense", dense)):
+        check_choice(name, dtype, SCALES)
+        if dtype != "model" and bits is None:
+            raise OptionError(f"{name}={dtype!r} needs {prefix}bits")
     if grid == "minmax":
         return
     if bits is None:
