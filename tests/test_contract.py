@@ -99,6 +99,12 @@ ROTATED = [
         dict(bits=2, residual=4, kv_rotate="hadamard", kv_sinks=2),
         "kivi-sinks",
     ),
+    # the rows not quantized held in fp16 (an evicting algorithm compacts them)
+    (
+        "snapkv",
+        dict(budget=40, window=4, kv_bits=2, kv_residual=4, kv_dense="float16"),
+        "snapkv-dense16",
+    ),
 ]
 # kvzap's other mode: drop what scores under 0 (about half), capped by a budget
 THRESHOLD = [
