@@ -365,6 +365,14 @@ def _grid_study() -> list[str]:
         "`kv_sinks=1`: the first row (the attention sink) held dense, the rest "
         "as before; each arm with and without it in one run",
         "quantizer_sinks_licenses": "The same on the second prose",
+        "quantizer_dense": "### Rows not quantized in fp16\n\n"
+        "`kv_dense=float16`: the residual (and the sink) held in fp16, their "
+        "groups' scales too once quantized, so that a residual fits under 0.6x "
+        "mlx-lm's 4-bit bytes on this fp32 model; `kv_sinks` is 1 by default "
+        "with `kv_rotate` from here on (the rotated arms above it, unless they "
+        "say `kv_sinks=1`, ran without sinks, the default then); unrotated "
+        "2-bit with and without a sink",
+        "quantizer_dense_licenses": "The same on the second prose",
     }
     names = [n for n in intros if (rm.RESULTS / f"{n}.json").exists()]
     out = []
@@ -420,6 +428,9 @@ def _rotated_passkey() -> list[str]:
         "afterwards), the rows quantized from the first token:",
         "passkey_rotated_lean": "The same cases with the 2-bit rows of about half "
         "mlx-lm's 4-bit bytes (fp16 scales, groups of 64, no residual):",
+        "passkey_rotated_sinks": "The same cases with `kv_sinks` 1 (the default "
+        "with `kv_rotate` since), at the default residual and with a 64-row "
+        "fp16 residual (`kv_dense`) under 0.6x mlx-lm's 4-bit bytes:",
     }
     out = []
     for name, intro in intros.items():
