@@ -44,8 +44,8 @@ class KIVIOptions(CacheOptions):
     `kv_dense="float16"`: the rows not quantized (residual, sinks) in fp16.
     `kv_qjl=True`: TurboQuant's 1-bit residual on keys (`kv_keys="token"`).
     `kv_sinks`: the first rows held dense, never quantized (`quantized.py`);
-    default 1 with a rotation (it spreads the sink's outlier key over every
-    channel's group), 0 without (KIVI's)."""
+    default 1 with a rotation (our TurboQuant-style path, its defaults chosen by
+    measurement: docs/results.md), 0 without (KIVI's definition)."""
 
     bits: int | str = 2
     group: int = 32
