@@ -130,6 +130,13 @@ def later_bullets() -> list[str]:
             bench = load("bench_kvzap")["table"]
             at = max(r["context"] for r in bench)
             pre = {r["algo"]: r["prefill_ratio"] for r in bench if r["context"] == at}
+            if (rm.RESULTS / "bench_kvzap_tail.json").exists():  # its default now
+                tail = load("bench_kvzap_tail")["table"]
+                pre |= {
+                    r["algo"]: r["prefill_ratio"]
+                    for r in tail
+                    if r["context"] == at and r["algo"] == "kvzap"
+                }
             if "kvzap" in pre and "kvzip" in pre:
                 cost = (
                     f"; prefill {pre['kvzap']:.2f}x unpatched's tok/s (`kvzip` "
@@ -154,23 +161,30 @@ def later_bullets() -> list[str]:
             a, b = pk["kivi:bits=2"], pk["kivi:bits=2,kv_rotate=hadamard"]
             passkey = f"; agnostic passkey {count(a)} to {count(b)}"
         lean, fits = "", []
-        for name in ("quantizer_grid_rotated", "quantizer_sinks"):
+        for name in ("quantizer_grid_rotated", "quantizer_sinks", "quantizer_dense"):
             if (rm.RESULTS / f"{name}.json").exists():
                 rows = load(name)["table"]
                 m4_row = by_key(rows)["mlx.quantized:kv_bits=4"]
                 fits += [
-                    (r, m4_row)
+                    (r, m4_row, name)
                     for r in rows
                     if "bits=2" in r["arm"]
                     and r["kv_bytes"] <= 0.6 * m4_row["kv_bytes"]
                 ]
         if fits:
-            b, m = min(fits, key=lambda f: f[0]["kl"])
+            b, m, name = min(fits, key=lambda f: f[0]["kl"])
             word = "loss" if b["kl"] > m["kl"] else "win"
             lean = (
                 f"; at ≤0.6x its bytes KL {b['kl']:.3f} against its {m['kl']:.3f}, "
                 f"{word}"
             )
+            other = rm.RESULTS / f"{name}_licenses.json"
+            if other.exists():  # the same arm on the second prose
+                t = by_key(load(f"{name}_licenses")["table"])
+                if b["arm"] in t:
+                    b2, m2 = t[b["arm"]], t["mlx.quantized:kv_bits=4"]
+                    word = "loss" if b2["kl"] > m2["kl"] else "win"
+                    lean += f" ({b2['kl']:.3f} against {m2['kl']:.3f}, {word})"
         out.append(
             f'- `kv_rotate="hadamard"`: 2-bit KIVI KL {" and ".join(parts)} at '
             f"{r2['kv_mb'] / m4['kv_mb']:.2f}x its bytes{passkey}{lean}."
