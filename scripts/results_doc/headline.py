@@ -9,6 +9,7 @@ import textwrap
 import results_markdown as rm
 from results_markdown import CODEBOOK, by_key, count, load, table
 
+from .kvzap import prefill_ratios
 from .kvzip_defaults import DEFAULT, NEW_256
 from .peers import worse_pairs
 from .quantized import BENCH, decode_ratio
@@ -126,22 +127,12 @@ def later_bullets() -> list[str]:
         aware = load(newest[0])["passkey"]["table"]
         kz = next(r for r in aware if r["algo"] == "kvzap")
         cost = ""
-        if (rm.RESULTS / "bench_kvzap.json").exists():
-            bench = load("bench_kvzap")["table"]
-            at = max(r["context"] for r in bench)
-            pre = {r["algo"]: r["prefill_ratio"] for r in bench if r["context"] == at}
-            if (rm.RESULTS / "bench_kvzap_tail.json").exists():  # its default now
-                tail = load("bench_kvzap_tail")["table"]
-                pre |= {
-                    r["algo"]: r["prefill_ratio"]
-                    for r in tail
-                    if r["context"] == at and r["algo"] == "kvzap"
-                }
-            if "kvzap" in pre and "kvzip" in pre:
-                cost = (
-                    f"; prefill {pre['kvzap']:.2f}x unpatched's tok/s (`kvzip` "
-                    f"{pre['kvzip']:.2f}x) at {at:,} tokens"
-                )
+        at, pre = prefill_ratios()
+        if "kvzap" in pre and "kvzip" in pre:
+            cost = (
+                f"; prefill {pre['kvzap']:.2f}x unpatched's tok/s (`kvzip` "
+                f"{pre['kvzip']:.2f}x) at {at:,} tokens"
+            )
         out.append(
             "- `kvzap`: kvzip's scores predicted from the hidden state, no second "
             f"pass; {count(kz)} with the question in the prompt{cost}."

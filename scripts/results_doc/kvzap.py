@@ -38,6 +38,24 @@ def _have(name: str) -> bool:
     return (rm.RESULTS / f"{name}.json").exists()
 
 
+def prefill_ratios() -> tuple[int | None, dict]:
+    """(the longest context benched, each algorithm's prefill tok/s over
+    unpatched's there): kvzap's from its run with `tail` once it exists."""
+    if not _have(BENCH):
+        return None, {}
+    bench = load(BENCH)["table"]
+    at = max(r["context"] for r in bench)
+    pre = {r["algo"]: r["prefill_ratio"] for r in bench if r["context"] == at}
+    if _have(BENCH_TAIL):
+        tail = load(BENCH_TAIL)["table"]
+        pre |= {
+            r["algo"]: r["prefill_ratio"]
+            for r in tail
+            if r["context"] == at and r["algo"] == "kvzap"
+        }
+    return at, pre
+
+
 def _run(name: str, intro: str, body: list[str], keys=KEYS) -> list[str]:
     res = load(name)
     return [
@@ -408,22 +426,12 @@ def summary() -> list[str]:
             out.append(
                 f"- {verdict}{what}: `kvzap` {a['kl']:.3f}, `kvzip` {b['kl']:.3f}"
             )
-    if _have(BENCH):
-        bench = load(BENCH)["table"]
-        at = max(r["context"] for r in bench)
-        pre = {r["algo"]: r["prefill_ratio"] for r in bench if r["context"] == at}
-        if _have(BENCH_TAIL):  # kvzap at its defaults now
-            tail = load(BENCH_TAIL)["table"]
-            pre |= {
-                r["algo"]: r["prefill_ratio"]
-                for r in tail
-                if r["context"] == at and r["algo"] == "kvzap"
-            }
-        if "kvzap" in pre and "kvzip" in pre:
-            out.append(
-                f"- prefill at {at:,} tokens: `kvzap` {pre['kvzap']:.2f}x "
-                f"unpatched's, `kvzip` {pre['kvzip']:.2f}x"
-            )
+    at, pre = prefill_ratios()
+    if "kvzap" in pre and "kvzip" in pre:
+        out.append(
+            f"- prefill at {at:,} tokens: `kvzap` {pre['kvzap']:.2f}x "
+            f"unpatched's, `kvzip` {pre['kvzip']:.2f}x"
+        )
     if not out:
         return []
     return ["At 256 rows, kvzap at its defaults against kvzip:", "", *out, ""]
