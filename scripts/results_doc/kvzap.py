@@ -32,6 +32,11 @@ KL_TAIL = "ppl_kvzap_tail"
 KL_TAIL_LICENSES = "ppl_kvzap_tail_licenses"
 AWARE_TAIL = "passkey_kvzap_aware_tail"
 AGNOSTIC_TAIL = "passkey_kvzap_agnostic_tail"
+# the surrogates fitted on the whole calibration prose (39,936 tokens)
+AGNOSTIC_39K = "passkey_kvzap_agnostic_39k"
+AWARE_39K = "passkey_kvzap_aware_39k"
+KL_39K = "ppl_kvzap_39k"
+KL_39K_LICENSES = "ppl_kvzap_39k_licenses"
 
 
 def _have(name: str) -> bool:
@@ -219,6 +224,20 @@ def passkey_parts() -> list[tuple[str, str, bool]]:
             "the context's own end), with and without it:",
             False,
         ),
+        (
+            AGNOSTIC_39K,
+            "### Surrogates fitted on the whole calibration prose\n\n"
+            "The linear surrogates fitted on 39,936 tokens (held-out R^2 0.598 "
+            "against 0.569 on 16,384; the calibration table above), kvzap at its "
+            "defaults otherwise. The agnostic cases (kvzip's 18/20 is in the "
+            "first table):",
+            False,
+        ),
+        (
+            AWARE_39K,
+            "The in-prompt cases (kvzip's is in the in-prompt table above):",
+            False,
+        ),
     ]
 
 
@@ -293,6 +312,17 @@ def kvzap() -> list[str]:
         (
             KL_TAIL_LICENSES,
             "The second prose with `tail` (kvzip's 0.147 as above):",
+            [*KL_KEYS, "text"],
+        ),
+        (
+            KL_39K,
+            "The evaluation prose's segments with the surrogates fitted on "
+            "39,936 tokens (kvzip's 0.059 as above):",
+            KL_KEYS,
+        ),
+        (
+            KL_39K_LICENSES,
+            "The same on the second prose (kvzip's 0.147 as above):",
             [*KL_KEYS, "text"],
         ),
         (
