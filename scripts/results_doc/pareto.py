@@ -14,6 +14,7 @@ PASSKEY = (
     "passkey_agnostic_bytes",
     "passkey_rotated",  # rotated low-bit rows (issue 30), once run
     "passkey_rotated_lean",
+    "passkey_rotated_sinks",  # kv_sinks 1 by default with kv_rotate since
 )
 # later files replace an arm of earlier ones (kvzip:budget=256 decodes since 4257d75)
 KL_FILES = (
@@ -108,7 +109,9 @@ def pareto() -> list[str]:
         "whole prompt until its first decode step). The best configuration that "
         "fits each memory point, ours and mlx-lm's; a point on a side's frontier "
         f"is beaten by nothing of that side at fewer bytes. Plot: [{PLOT}]"
-        f"({LINK}/{PLOT}) (`scripts/pareto_plot.py`).",
+        f"({LINK}/{PLOT}) (`scripts/pareto_plot.py`). The rotated KIVI rows of "
+        "`ppl_rotated_bytes` ran before `kv_sinks` was 1 by default with "
+        "`kv_rotate` (without sinks).",
         "",
     ]
     for metric, higher, what in (
