@@ -238,6 +238,14 @@ def server_command(arm: str, budget: int, port: int, scorer=SCORER) -> list[str]
     return cmd + ["--host", "127.0.0.1", "--port", str(port)]
 
 
+def row_label(arm: str, scorer=SCORER) -> str:
+    """The arm's name in the table: kvzap with another scorer than the
+    default one is a row of its own."""
+    if arm == KVZAP and Path(scorer) != Path(SCORER):
+        return f"{KVZAP}:scorer={Path(scorer).name}"
+    return arm
+
+
 def server_label(arm: str, budget: int, scorer=SCORER) -> str:
     if arm == UNPATCHED:
         return "mlx-lm's server, unpatched (scripts/bench_serve.py serve_unpatched)"
@@ -520,12 +528,13 @@ def main():
     if args.add:  # the same documents and settings, these arms added (or redone)
         result = added_to(args.out, config, {"run": info, "command": command})
     for arm in arms:
+        label = row_label(arm, args.scorer)
         try:
-            row = run_arm(arm, docs, args, tmp)
+            row = run_arm(arm, docs, args, tmp) | {"arm": label}
         except Exception as e:  # recorded; the other arms still run
-            row = {"arm": arm, "error": f"{type(e).__name__}: {e}"}
+            row = {"arm": label, "error": f"{type(e).__name__}: {e}"}
             print(f"{arm}: {row['error']}", flush=True)
-        result["table"] = [r for r in result["table"] if r["arm"] != arm] + [row]
+        result["table"] = [r for r in result["table"] if r["arm"] != label] + [row]
         if "error" not in row:
             s, f = row["needle_second_turn2_code"], row["needle_first_turn1_code"]
             kv = row["kv_bytes_per_conversation"]

@@ -183,3 +183,12 @@ def test_kvzap_is_served_with_its_scorer_and_added_arms_share_the_documents(
     assert got["added"] == [{"arms": "kvzap", "command": "c"}]
     with pytest.raises(SystemExit, match="seed"):
         bc.added_to(str(path), {**config, "seed": 2}, {})
+
+
+def test_kvzap_with_another_scorer_is_a_row_of_its_own():
+    assert bc.row_label("kvzap") == "kvzap"
+    assert bc.row_label("kvzap", bc.SCORER) == "kvzap"
+    assert (
+        bc.row_label("kvzap", "x/s_39k.safetensors") == "kvzap:scorer=s_39k.safetensors"
+    )
+    assert bc.row_label("kvzip", "x/s_39k.safetensors") == "kvzip"
