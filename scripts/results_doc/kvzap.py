@@ -456,6 +456,25 @@ def summary() -> list[str]:
             out.append(
                 f"- {verdict}{what}: `kvzap` {a['kl']:.3f}, `kvzip` {b['kl']:.3f}"
             )
+    big = [
+        (part, _find(name, part, lambda r: r["algo"] == "kvzap"))
+        for name, part in (
+            (AGNOSTIC_39K, "passkey"),
+            (AWARE_39K, "passkey"),
+            (KL_39K, "continuation"),
+            (KL_39K_LICENSES, "continuation"),
+        )
+    ]
+    cells = [
+        f"{r['correct']}/{r['cases']}" if part == "passkey" else f"KL {r['kl']:.3f}"
+        for part, r in big
+        if r
+    ]
+    if cells:
+        out.append(
+            "- surrogates fitted on 39,936 tokens instead (agnostic, in-prompt, "
+            f"KL on the two proses): {', '.join(cells)}"
+        )
     at, pre = prefill_ratios()
     if "kvzap" in pre and "kvzip" in pre:
         out.append(
