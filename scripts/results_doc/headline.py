@@ -138,19 +138,29 @@ def later_bullets() -> list[str]:
             f"pass; {count(kz)} with the question in the prompt{cost}."
         )
     if (rm.RESULTS / "eval_rotated_kl.json").exists():
-        parts = []
+        parts, ratio = [], None
         for name in ("eval_rotated_kl", "eval_rotated_kl_licenses"):
             if not (rm.RESULTS / f"{name}.json").exists():
                 continue
             t = by_key(load(name)["continuation"]["table"])
             r2, k2 = t["kivi:bits=2,kv_rotate=hadamard"], t["kivi:bits=2"]
             m4 = t["mlx.quantized:kv_bits=4"]
+            ratio = ratio or r2["kv_mb"] / m4["kv_mb"]
+            sinks = f"quantizer_sinks{name.removeprefix('eval_rotated_kl')}"
+            if (rm.RESULTS / f"{sinks}.json").exists():  # with its default sink
+                r2 = by_key(load(sinks)["table"])[
+                    "kivi:bits=2,kv_rotate=hadamard,kv_sinks=1"
+                ]
             parts.append(f"{k2['kl']:.3f} to {r2['kl']:.3f} (4-bit {m4['kl']:.3f})")
         passkey = ""
         if (rm.RESULTS / "passkey_rotated.json").exists():
             pk = by_key(load("passkey_rotated")["passkey"]["table"])
             a, b = pk["kivi:bits=2"], pk["kivi:bits=2,kv_rotate=hadamard"]
             passkey = f"; agnostic passkey {count(a)} to {count(b)}"
+            if (rm.RESULTS / "passkey_rotated_sinks.json").exists():  # the default
+                sk = by_key(load("passkey_rotated_sinks")["passkey"]["table"])
+                c = sk["kivi:bits=2,kv_rotate=hadamard"]
+                passkey = f"; passkey {count(a)} to {count(c)} ({count(b)} without it)"
         lean, fits = "", []
         for name in ("quantizer_grid_rotated", "quantizer_sinks", "quantizer_dense"):
             if (rm.RESULTS / f"{name}.json").exists():
@@ -165,20 +175,17 @@ def later_bullets() -> list[str]:
         if fits:
             b, m, name = min(fits, key=lambda f: f[0]["kl"])
             word = "loss" if b["kl"] > m["kl"] else "win"
-            lean = (
-                f"; at ≤0.6x its bytes KL {b['kl']:.3f} against its {m['kl']:.3f}, "
-                f"{word}"
-            )
+            lean = f"; at ≤0.6x its bytes {b['kl']:.3f} against {m['kl']:.3f}, {word}"
             other = rm.RESULTS / f"{name}_licenses.json"
             if other.exists():  # the same arm on the second prose
                 t = by_key(load(f"{name}_licenses")["table"])
                 if b["arm"] in t:
                     b2, m2 = t[b["arm"]], t["mlx.quantized:kv_bits=4"]
                     word = "loss" if b2["kl"] > m2["kl"] else "win"
-                    lean += f" ({b2['kl']:.3f} against {m2['kl']:.3f}, {word})"
+                    lean += f", and {b2['kl']:.3f} against {m2['kl']:.3f}, {word}"
         out.append(
-            f'- `kv_rotate="hadamard"`: 2-bit KIVI KL {" and ".join(parts)} at '
-            f"{r2['kv_mb'] / m4['kv_mb']:.2f}x its bytes{passkey}{lean}."
+            f'- `kv_rotate="hadamard"` (with its default sink): 2-bit KIVI KL '
+            f"{' and '.join(parts)} at {ratio:.2f}x its bytes{passkey}{lean}."
         )
     return out
 
