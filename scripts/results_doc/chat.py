@@ -158,6 +158,40 @@ def chat_bench() -> list[str]:
         ],
         *([""] if res.get("added") else []),
         *([("; ".join(notes) + "."), ""] if notes else []),
+        *turn1_probe(),
+    ]
+
+
+PROBE = "chat_turn1_probe"
+
+
+def turn1_probe() -> list[str]:
+    """The first turn outside the server, with and without the passkey intro."""
+    if not (rm.RESULTS / f"{PROBE}.json").exists():
+        return []
+    res = load(PROBE)
+    cfg = res["config"]
+    rows = {}
+    for r in res["table"]:
+        rows.setdefault(r["arm"], {})[r["intro"]] = _ci(r)
+    body = [[f"`{a}`", v.get(False, ""), v.get(True, "")] for a, v in rows.items()]
+    return [
+        "The number asked at turn 1, outside the server "
+        "(`scripts/chat_turn1_probe.py`: the same first messages through "
+        "`mlx_lm.stream_generate` in one process, the arms at "
+        f"{cfg['budget']} rows), as sent and with the passkey cases' intro "
+        '("There is a secret number hidden inside a long text...") ahead of '
+        "the document:",
+        "",
+        meta(PROBE, res),
+        "",
+        *table(["arm", "as sent", "with the intro"], body),
+        "",
+        "```bash",
+        f"python scripts/chat_turn1_probe.py --arms {cfg['arms']} "
+        f"--out scripts/results/{PROBE}.json",
+        "```",
+        "",
     ]
 
 
