@@ -3,6 +3,7 @@ evicting quantized rows costs, and decode speed against mlx-lm's 4-bit cache."""
 
 from __future__ import annotations
 
+import re
 import statistics
 
 import results_markdown as rm
@@ -456,48 +457,59 @@ def _rotated_passkey() -> list[str]:
 
 
 def _rotated_speed() -> list[str]:
-    """Decode speed of rotated rows against the same widths unrotated."""
-    name = "bench_rotated_decode"
-    if not (rm.RESULTS / f"{name}.json").exists():
-        return []
-    res = load(name)
-    raw = res["raw"]
-    arms = list(dict.fromkeys(r["arm"] for r in raw if r["arm"] != "unpatched"))
-    body = []
-    for arm in arms:
-        if "kv_rotate=hadamard" not in arm:
+    """Decode speed of rotated rows against KIVI's rows of the same width,
+    unrotated, in the same run."""
+    intros = {
+        "bench_rotated_decode": "Decode speed",
+        "bench_rotated_sinks": "The same with `kv_sinks` (1 by default with "
+        "`kv_rotate` since; `kv_sinks=0` the rows above) and with the 64-row "
+        "fp16 residual (`kv_dense`), each against `kivi` at its width",
+    }
+    out = []
+    for name, intro in intros.items():
+        if not (rm.RESULTS / f"{name}.json").exists():
             continue
-        plain = arm.replace(",kv_rotate=hadamard", "")
-        pairs = [
-            (r["decode_tok_per_s"], p["decode_tok_per_s"])
-            for r in raw
-            if r["arm"] == arm
-            for p in raw
-            if p["arm"] == plain and p["repeat"] == r["repeat"]
-        ]
-        ratios = sorted(a / b for a, b in pairs)
-        body.append(
-            [
-                f"`{arm}`",
-                f"{statistics.median(a for a, _ in pairs):.2f}",
-                f"{statistics.median(b for _, b in pairs):.2f}",
-                f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}, {ratios[-1]:.2f}]",
+        res = load(name)
+        raw = res["raw"]
+        arms = list(dict.fromkeys(r["arm"] for r in raw if r["arm"] != "unpatched"))
+        body = []
+        for arm in arms:
+            width = re.search(r"bits=(\d)", arm)
+            plain = f"kivi:bits={width.group(1)}" if width else None
+            if "kv_rotate=hadamard" not in arm or plain not in arms:
+                continue
+            pairs = [
+                (r["decode_tok_per_s"], p["decode_tok_per_s"])
+                for r in raw
+                if r["arm"] == arm
+                for p in raw
+                if p["arm"] == plain and p["repeat"] == r["repeat"]
             ]
-        )
-    cfg = res["config"]
-    return [
-        "Decode speed (`veloxpatch bench`, "
-        f"{cfg['contexts']}-token context, {cfg['decode_tokens']} tokens, "
-        f"{cfg['repeats']} interleaved repeats; median and range of the per-repeat "
-        "ratios):",
-        "",
-        meta(name, res),
-        "",
-        *table(["arm", "tok/s rotated", "tok/s unrotated", "ratio"], body),
-        "",
-        *command("veloxpatch bench", cfg, BENCH_KEYS),
-        "",
-    ]
+            ratios = sorted(a / b for a, b in pairs)
+            body.append(
+                [
+                    f"`{arm}`",
+                    f"{statistics.median(a for a, _ in pairs):.2f}",
+                    f"{statistics.median(b for _, b in pairs):.2f}",
+                    f"{statistics.median(ratios):.2f} "
+                    f"[{ratios[0]:.2f}, {ratios[-1]:.2f}]",
+                ]
+            )
+        cfg = res["config"]
+        out += [
+            f"{intro} (`veloxpatch bench`, "
+            f"{cfg['contexts']}-token context, {cfg['decode_tokens']} tokens, "
+            f"{cfg['repeats']} interleaved repeats; median and range of the "
+            "per-repeat ratios):",
+            "",
+            meta(name, res),
+            "",
+            *table(["arm", "tok/s rotated", "tok/s unrotated", "ratio"], body),
+            "",
+            *command("veloxpatch bench", cfg, BENCH_KEYS),
+            "",
+        ]
+    return out
 
 
 def _rotation_findings(source: str, t: dict) -> list[str]:
