@@ -415,3 +415,23 @@ def test_sink_options_are_checked():
         ALGORITHMS["kivi"].Options(kv_sinks=-1)
     with pytest.raises(OptionError, match="kv_sinks"):
         ALGORITHMS["kivi"].Options(kv_sinks=True)
+
+
+def test_fp16_dense_rows_halve_the_residual_and_scale_bytes():
+    model = tiny_model("llama", head_dim=D)
+    ids = prompt_tokens(80)[None]
+    held = {}
+    for dense in ("model", "float16"):
+        with veloxpatch.patched(model, "kivi", bits=2, residual=8, kv_dense=dense) as p:
+            caches = p.make_cache()
+            model(ids, cache=caches)
+            held[dense] = caches
+    for plain, half in zip(held["model"], held["float16"]):
+        assert half.keys.dtype == mx.float16 and plain.keys.dtype == mx.float32
+        assert half.keys.shape == plain.keys.shape  # the same rows stay dense
+        assert 2 * (half.keys.nbytes + half.values.nbytes) == (
+            plain.keys.nbytes + plain.values.nbytes
+        )
+        # the same codes; scales and biases taken from fp16 rows are fp16
+        assert half.quantized == plain.quantized > 0
+        assert half.store.nbytes < plain.store.nbytes
