@@ -39,6 +39,7 @@ def query_probs(q, keys, pos, qstart: int, scale):
 
 
 def newest_queries(buffer, q: mx.array, n: int) -> mx.array:
-    """The last `n` queries of `buffer` (or None) followed by q, along axis 2."""
+    """The last `n` queries of `buffer` (or None) followed by q, along axis 2
+    (copied out: a slice would keep a prefill chunk's queries alive)."""
     buf = q if buffer is None else mx.concatenate([buffer, q], axis=2)
-    return buf[:, :, -n:] if buf.shape[2] > n else buf
+    return mx.contiguous(buf[:, :, -n:]) if buf.shape[2] > n else buf

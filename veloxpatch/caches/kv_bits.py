@@ -259,7 +259,9 @@ class QuantizedKV:
         n = self.store.to_fill(self.keys.shape[2] - o.kv_residual)
         if n > 0:
             self.store.append(self.keys[:, :, :n], self.values[:, :, :n])
-            self.keys, self.values = self.keys[:, :, n:], self.values[:, :, n:]
+            # copied out: the residual's slice would hold the call's dense rows
+            self.keys = mx.contiguous(self.keys[:, :, n:])
+            self.values = mx.contiguous(self.values[:, :, n:])
 
     def _new_store(self, bits: tuple[int, ...]) -> QuantizedStore:
         """An empty store of these widths, keys grouped by `kv_keys`, rotated

@@ -215,7 +215,7 @@ class KVzapCache(EvictingCache):
             if self.wo_gram is None:
                 self.wo_gram = output_gram(o_proj, q.shape[1])
             xs = x if self.tail_x is None else mx.concatenate([self.tail_x, x], 1)
-            self.tail_x = xs[:, -n:]
+            self.tail_x = mx.contiguous(xs[:, -n:])  # not the whole call's inputs
         return super().attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
 
     def after_attend(self, q, new_rows):

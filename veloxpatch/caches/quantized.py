@@ -461,9 +461,9 @@ class QuantizedStore:
         """Add rows [B, H, n, D]: the sinks still missing first, then whole
         groups (`to_fill`)."""
         lead = min(k.shape[2], self.sinks - self.sink_rows)
-        if lead > 0:
-            self.sink_k = _cat(self.sink_k, k[:, :, :lead], 2)
-            self.sink_v = _cat(self.sink_v, v[:, :, :lead], 2)
+        if lead > 0:  # copied out: a slice would keep the whole call's rows alive
+            self.sink_k = _cat(self.sink_k, mx.contiguous(k[:, :, :lead]), 2)
+            self.sink_v = _cat(self.sink_v, mx.contiguous(v[:, :, :lead]), 2)
             k, v = k[:, :, lead:], v[:, :, lead:]
         if k.shape[2] == 0:
             return
