@@ -96,7 +96,7 @@ class QuantizedKV:
 
     # ---- storage ------------------------------------------------------------------
     def _append(self, k, v, offset):
-        if self.options.kv_dense == "float16" and self.options.kv_bits is not None:
+        if self.options.kv_dense == "float16":  # (the options need kv_bits for it)
             k, v = k.astype(mx.float16), v.astype(mx.float16)
         B, H, L = k.shape[:3]
         first = self.slots
