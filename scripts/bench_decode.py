@@ -8,7 +8,9 @@ tok/s, the median of per-repeat ratios against unpatched mlx-lm (a plain
 KVCache holding the same context), KV bytes held and peak memory. The rate of
 the first `--early` tokens is reported apart from the rest (lookahead arms hold
 the whole prompt until then). Arms are written `NAME[:key=value,...]`; an arm
-without a budget gets `--budget`.
+without a budget gets `--budget`. `--baseline ARM` adds each arm's median of
+per-repeat ratios against that arm (e.g. a rotated cache against the same bits
+unrotated).
 
     .venv/bin/python scripts/bench_decode.py --context 4000 --budget 512 \
         --arms full,snapkv,snapkv:lookahead=16
@@ -69,6 +71,7 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prefill-step-size", type=int, default=2048)
+    ap.add_argument("--baseline", default=None, help="an arm to compare with")
     ap.add_argument("--out", default="scripts/results/bench_decode.json")
     args = ap.parse_args()
     info = run_info()  # the code and machine this run starts with
@@ -81,12 +84,15 @@ def main():
     print(f"captured {len(head)}-token prefill in {time.perf_counter() - t0:.0f}s")
     step = args.prefill_step_size
     chunks = [min(step, len(head) - s) for s in range(0, len(head), step)]
-    arms = {}
+    arms, specs = {}, {}
     for arm in expand(["full"] + split_arms(args.arms), [args.budget]):
         # bound to the model: calibration files (filters, codebooks) are loaded
         _, bound = make_options(arm.algo, arm.options, model)
         arms[arm.label] = captured.caches(arm.algo, arm.options, chunks, bound=bound)
+        specs[arm.label] = arm
     arms = {"unpatched": [as_mlx_kvcache(c) for c in arms["full"]], **arms}
+    if args.baseline and args.baseline not in arms:
+        raise SystemExit(f"--baseline {args.baseline!r} is none of: {', '.join(arms)}")
 
     rates = {a: [] for a in arms}
     early, late = {a: [] for a in arms}, {a: [] for a in arms}
@@ -100,7 +106,8 @@ def main():
             if name == "unpatched":
                 times = decode_times(model, tail, caches, args.decode_tokens)
             else:
-                with veloxpatch.patched(model, algo="full"):
+                spec = specs[name]  # patched as the caches were made
+                with veloxpatch.patched(model, algo=spec.algo, **spec.options):
                     times = decode_times(model, tail, caches, args.decode_tokens)
             rates[name].append(len(times) / sum(times))
             e = args.early
@@ -116,6 +123,14 @@ def main():
     table = []
     for name in names:
         ratios = [a / b for a, b in zip(rates[name], rates["unpatched"])]
+        row = {}
+        if args.baseline:
+            vs = [a / b for a, b in zip(rates[name], rates[args.baseline])]
+            row = {
+                "ratio_vs_baseline_median": statistics.median(vs),
+                "ratio_vs_baseline_min": min(vs),
+                "ratio_vs_baseline_max": max(vs),
+            }
         table.append(
             {
                 "arm": name,
@@ -127,6 +142,7 @@ def main():
                 "late_tok_per_s_median": statistics.median(late[name]),
                 "kv_bytes": kv[name],
                 "peak_memory_bytes": peak[name],
+                **row,
             }
         )
     raw = {"rates": rates, "early": early, "late": late}
@@ -143,6 +159,12 @@ def main():
             f"[{t['ratio_min']:.2f}, {t['ratio_max']:.2f}] "
             f"{t['early_tok_per_s_median']:6.2f} {t['late_tok_per_s_median']:6.2f} "
             f"{t['kv_bytes'] / 1e6:8.1f}"
+            + (
+                f"  vs {args.baseline}: {t['ratio_vs_baseline_median']:.2f} "
+                f"[{t['ratio_vs_baseline_min']:.2f}, {t['ratio_vs_baseline_max']:.2f}]"
+                if args.baseline
+                else ""
+            )
         )
     print(f"wrote {args.out}")
 
