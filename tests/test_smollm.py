@@ -1,5 +1,6 @@
 """Real-model checks on the embedded SmolLM2-135M-Instruct (30 layers, GQA 9/3)."""
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -111,3 +112,26 @@ def test_generate_with_kvzip_answers_a_passkey_prompt():
     res = CliRunner().invoke(main, [*args, "--prompt", body + QUESTION])
     assert res.exit_code == 0, res.output
     assert key in res.output.replace(" ", ""), res.output
+
+
+@smollm
+def test_bench_decode_patches_each_arm_as_its_caches_were_made(tmp_path, monkeypatch):
+    # The script decodes every arm's replayed caches through one model: each arm
+    # must be patched with its own algorithm (the patch refuses another's caches).
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_decode
+
+    out = tmp_path / "decode.json"
+    args = ["--context", "200", "--repeats", "1", "--decode-tokens", "3"]
+    args += ["--early", "1", "--arms", "kivi:bits=2,snapkv:budget=64"]
+    args += ["--baseline", "kivi:bits=2", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", *args])
+    bench_decode.main()
+    table = {row["arm"]: row for row in json.loads(out.read_text())["table"]}
+    assert set(table) == {"unpatched", "full", "kivi:bits=2", "snapkv:budget=64"}
+    assert table["kivi:bits=2"]["ratio_vs_baseline_median"] == 1.0
+    assert all(row["decode_tok_per_s_median"] > 0 for row in table.values())
+    assert table["kivi:bits=2"]["kv_bytes"] < table["full"]["kv_bytes"]
+    assert table["snapkv:budget=64"]["kv_bytes"] < table["full"]["kv_bytes"]

@@ -183,9 +183,17 @@ def later_bullets() -> list[str]:
                     b2, m2 = t[b["arm"]], t["mlx.quantized:kv_bits=4"]
                     word = "loss" if b2["kl"] > m2["kl"] else "win"
                     lean += f", and {b2['kl']:.3f} against {m2['kl']:.3f}, {word}"
+        speed = ""
+        if (rm.RESULTS / "bench_rotated_sinks_decode.json").exists():
+            t = by_key(load("bench_rotated_sinks_decode")["table"])
+            speed = (
+                "; decodes at "
+                f"{t['kivi:bits=2,kv_rotate=hadamard']['ratio_vs_baseline_median']:.2f}x"
+                " unrotated 2-bit's rate"
+            )
         out.append(
             f'- `kv_rotate="hadamard"` (with its default sink): 2-bit KIVI KL '
-            f"{' and '.join(parts)} at {ratio:.2f}x its bytes{passkey}{lean}."
+            f"{' and '.join(parts)} at {ratio:.2f}x its bytes{passkey}{lean}{speed}."
         )
     return out
 

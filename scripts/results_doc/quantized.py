@@ -509,7 +509,44 @@ def _rotated_speed() -> list[str]:
             *command("veloxpatch bench", cfg, BENCH_KEYS),
             "",
         ]
-    return out
+    return out + _rotated_decode_alone()
+
+
+def _rotated_decode_alone() -> list[str]:
+    """The same arms from scripts/bench_decode.py: decode only, more repeats."""
+    name = "bench_rotated_sinks_decode"
+    if not (rm.RESULTS / f"{name}.json").exists():
+        return []
+    res = load(name)
+    cfg = res["config"]
+    body = [
+        [
+            f"`{r['arm']}`",
+            f"{r['decode_tok_per_s_median']:.2f}",
+            f"{r['ratio_vs_baseline_median']:.2f} "
+            f"[{r['ratio_vs_baseline_min']:.2f}, {r['ratio_vs_baseline_max']:.2f}]",
+            f"{r['kv_bytes'] / 1e6:.1f}",
+        ]
+        for r in res["table"]
+        if r["arm"].startswith("kivi")
+    ]
+    keys = ["context", "arms", "baseline", "decode_tokens", "repeats", "out"]
+    return [
+        "Decode alone (`scripts/bench_decode.py`: one captured "
+        f"{cfg['context']:,}-token prefill replayed into every arm's caches, "
+        f"{cfg['decode_tokens']} tokens, {cfg['repeats']} interleaved repeats on a "
+        "quiet machine; median and range of the per-repeat ratios against "
+        f"`{cfg['baseline']}`). Without a prefill between the arms' decodes, more "
+        "repeats fit, and the sink's cost seen above (3 repeats) is within the "
+        "spread:",
+        "",
+        meta(name, res),
+        "",
+        *table(["arm", "tok/s", f"vs `{cfg['baseline']}`", "KV MB"], body),
+        "",
+        *command(".venv/bin/python scripts/bench_decode.py", cfg, keys),
+        "",
+    ]
 
 
 def _rotation_findings(source: str, t: dict) -> list[str]:
