@@ -29,6 +29,9 @@ the number must be the same whichever came first: a server that hands one
 user's question-specific compression to the other (a prompt-cache entry
 trimmed back to the shared document) fails it.
 
+An arm is `ALGO[:key=value,...]` (options sent as `--algo-arg`), e.g.
+`kivi:bits=2,kv_rotate=hadamard`: quantized rows through the same chat.
+
 Greedy decoding; a number is correct when its five digits appear in the reply
 with spaces removed.
 """
@@ -61,6 +64,7 @@ ALGOS = ("full", "snapkv", "streaming_llm", "kvzip", "expected_attention")
 KVZAP = "kvzap"  # an arm when asked for, with --scorer
 SCORER = "scripts/results/smollm2_kvzap_linear.safetensors"
 UNPATCHED = "mlx_lm_unpatched"
+UNBUDGETED = ("full", "kivi")  # arms that evict nothing: no --budget
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 CODE_Q = QUESTION.strip()  # the passkey cases' question (SmolLM2 answers it)
 SUMMARY_Q = "Summarize the text in one sentence."
@@ -225,16 +229,22 @@ def documents(tokenizer, n: int, context_tokens: int, text: str, seed: int):
 
 
 def server_command(arm: str, budget: int, port: int, scorer=SCORER) -> list[str]:
+    """`ALGO[:key=value,...]`: the options go to the server as --algo-arg;
+    `--budget` to every algorithm that evicts."""
     if arm == UNPATCHED:
         return [sys.executable, __file__, "--serve-unpatched", str(port)]
-    if arm not in (*ALGOS, KVZAP):
-        known = ", ".join((*ALGOS, KVZAP, UNPATCHED))
-        raise SystemExit(f"unknown arm {arm!r}: {known}")
-    cmd = [sys.executable, "-m", "veloxpatch.serve", "--algo", arm]
-    if arm != "full":
+    algo, _, rest = arm.partition(":")
+    if algo not in (*ALGOS, KVZAP, *UNBUDGETED):
+        known = ", ".join((*ALGOS, KVZAP, *UNBUDGETED, UNPATCHED))
+        raise SystemExit(f"unknown arm {arm!r}: {known}[:key=value,...]")
+    cmd = [sys.executable, "-m", "veloxpatch.serve", "--algo", algo]
+    if algo not in UNBUDGETED:
         cmd += ["--budget", str(budget)]
-    if arm == KVZAP:
-        cmd += ["--algo-arg", f"scorer={scorer}"]
+    options = [o for o in rest.split(",") if o]
+    if algo == KVZAP and not any(o.startswith("scorer=") for o in options):
+        options.append(f"scorer={scorer}")
+    for option in options:
+        cmd += ["--algo-arg", option]
     return cmd + ["--host", "127.0.0.1", "--port", str(port)]
 
 
