@@ -79,6 +79,25 @@ def test_eval_rejects_bad_arms_before_running(tmp_path):
     assert not out.exists()
 
 
+@smollm
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test_an_arm_the_model_cannot_hold_fails_before_any_arm_runs(
+    tmp_path, monkeypatch, command
+):
+    # A byte budget's rows depend on the model: checked once it is loaded,
+    # before the arms ahead of it (full here) spend their time.
+    from veloxpatch.eval import bench, harness
+
+    never = lambda *a, **k: pytest.fail("an arm ran")  # noqa: E731
+    monkeypatch.setattr(harness, "run_tasks", never)
+    monkeypatch.setattr(bench, "run", never)
+    out = tmp_path / "r.json"
+    res = run(command, "--arms", "full,snapkv:max_kv_bytes=20KB", "--out", out)
+    assert res.exit_code == 2, res.output
+    assert "max_kv_bytes='20KB' buys" in res.output.strip().splitlines()[-1]
+    assert not out.exists()
+
+
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     res = run("eval", "--arms", "full", "--out", tmp_path / "r.json", "--plot", "p.png")
