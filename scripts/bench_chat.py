@@ -57,6 +57,7 @@ from pathlib import Path
 import bench_serve
 from bench_serve import KV_LINE, serve_unpatched
 
+from veloxpatch.eval.arms import parse_arm, split_arms
 from veloxpatch.eval.passkey import INTRO, QUESTION, wilson
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -510,9 +511,17 @@ def main():
     if args.serve_unpatched is not None:
         return serve_unpatched(args.serve_unpatched)
 
-    arms = args.arms.split(",")
+    arms = split_arms(args.arms)
     for arm in arms:
         server_command(arm, args.budget, 0, args.scorer)  # unknown arms fail here
+        if arm != UNPATCHED:  # and options a server would refuse, before any runs
+            from veloxpatch.api import make_options
+            from veloxpatch.errors import OptionError
+
+            try:
+                make_options(parse_arm(arm).algo, parse_arm(arm).options)
+            except OptionError as e:
+                raise SystemExit(f"arm {arm!r}: {e}") from None
     check_text(args.text)
     command = shlex.join([os.path.relpath(sys.executable, ROOT), *sys.argv])
 
