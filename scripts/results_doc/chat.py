@@ -153,13 +153,25 @@ def chat_bench() -> list[str]:
         "",
         *[
             f"Added with `--add` (the same documents and settings): "
-            f"`{a['arms']}` at commit `{a['run']['git_commit']}`."
+            f"`{a['arms']}` at commit `{a['run']['git_commit']}`" + _load(a["run"])
             for a in res.get("added", [])
         ],
         *([""] if res.get("added") else []),
         *([("; ".join(notes) + "."), ""] if notes else []),
         *turn1_probe(),
     ]
+
+
+def _load(run: dict) -> str:
+    """The run's load average as it started: its timings are comparable with
+    the others' only on a quiet machine."""
+    load = run.get("load_average")
+    if not load or load[0] < 1.5:
+        return "."
+    return (
+        f" (load average {load[0]:.1f} as it started, CPUs shared with another "
+        "run: its TTFT is not comparable)."
+    )
 
 
 PROBE = "chat_turn1_probe"
