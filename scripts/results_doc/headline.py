@@ -133,9 +133,18 @@ def later_bullets() -> list[str]:
                 f"; prefill {pre['kvzap']:.2f}x unpatched's tok/s (`kvzip` "
                 f"{pre['kvzip']:.2f}x) at {at:,} tokens"
             )
+        lean = ""
+        if (rm.RESULTS / "passkey_kvzap_bytes.json").exists():
+            rows = by_key(load("passkey_kvzap_bytes")["passkey"]["table"])
+            kb = next(r for r in rows.values() if r["algo"] == "kvzap")
+            m4 = rows["mlx.quantized:kv_bits=4"]
+            lean = (
+                f"; 4-bit under mlx-lm's 4-bit bytes, agnostic passkey {count(kb)} "
+                f"at {kb['kv_mb']:.1f} MB (its {count(m4)} at {m4['kv_mb']:.1f} MB)"
+            )
         out.append(
             "- `kvzap`: kvzip's scores predicted from the hidden state, no second "
-            f"pass; {count(kz)} with the question in the prompt{cost}."
+            f"pass; {count(kz)} with the question in the prompt{cost}{lean}."
         )
     if (rm.RESULTS / "eval_rotated_kl.json").exists():
         parts, ratio = [], None

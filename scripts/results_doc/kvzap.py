@@ -519,4 +519,44 @@ def summary() -> list[str]:
         )
     if not out:
         return []
-    return ["At 256 rows, kvzap at its defaults against kvzip:", "", *out, ""]
+    return [
+        "At 256 rows, kvzap at its defaults against kvzip:",
+        "",
+        *out,
+        "",
+        *_at_mlx_bytes(),
+    ]
+
+
+def _at_mlx_bytes() -> list[str]:
+    """kvzap's 4-bit rows at kvzip's rows under mlx-lm's 4-bit bytes."""
+
+    def mlx4(r):
+        return r["arm"] == "mlx.quantized:kv_bits=4"
+
+    def ours(r):
+        return r["algo"] == "kvzap"
+
+    cells = []
+    for name, part in ((AGNOSTIC_BYTES, "passkey"), (KL_BYTES, "continuation")):
+        a, m = _find(name, part, ours), _find(name, part, mlx4)
+        if not (a and m):
+            continue
+        if part == "passkey":
+            cells.append(
+                f"agnostic passkey {a['correct']}/{a['cases']} at {a['kv_mb']:.1f} MB "
+                f"against {m['correct']}/{m['cases']} at {m['kv_mb']:.1f} MB"
+            )
+        else:
+            verdict = "**a loss**" if a["kl"] > m["kl"] else "a win"
+            cells.append(
+                f"continuation KL {a['kl']:.3f} at {a['kv_mb']:.1f} MB against "
+                f"{m['kl']:.3f} at {m['kv_mb']:.1f} MB ({verdict})"
+            )
+    if not cells:
+        return []
+    return [
+        "Against mlx-lm's 4-bit cache, kvzap's rows 4-bit at the rows kvzip keeps "
+        f"under its bytes: {'; '.join(cells)}.",
+        "",
+    ]
