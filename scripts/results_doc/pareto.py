@@ -15,6 +15,7 @@ PASSKEY = (
     "passkey_rotated",  # rotated low-bit rows (issue 30), once run
     "passkey_rotated_lean",
     "passkey_rotated_sinks",  # kv_sinks 1 by default with kv_rotate since
+    "passkey_kvzap_bytes",  # kvzap 4-bit at kvzip's rows under mlx-lm's bytes
 )
 # later files replace an arm of earlier ones (kvzip:budget=256 decodes since 4257d75)
 KL_FILES = (
@@ -23,6 +24,8 @@ KL_FILES = (
     "ppl_kvzip_choice_tail",
     "ppl_agnostic_bytes",
     "ppl_rotated_bytes",
+    "ppl_rotated_sinks",  # the rotated KIVI rows again, with their default sink
+    "ppl_kvzap_bytes",
 )
 FRACTIONS = (0.05, 0.10, 0.17, 0.25, 0.50)  # of the full cache's bytes
 PLOT = "pareto_agnostic.svg"
@@ -109,9 +112,14 @@ def pareto() -> list[str]:
         "whole prompt until its first decode step). The best configuration that "
         "fits each memory point, ours and mlx-lm's; a point on a side's frontier "
         f"is beaten by nothing of that side at fewer bytes. Plot: [{PLOT}]"
-        f"({LINK}/{PLOT}) (`scripts/pareto_plot.py`). The rotated KIVI rows of "
-        "`ppl_rotated_bytes` ran before `kv_sinks` was 1 by default with "
-        "`kv_rotate` (without sinks).",
+        f"({LINK}/{PLOT}) (`scripts/pareto_plot.py`). "
+        + (
+            "The rotated KIVI rows' KL is from `ppl_rotated_sinks`, with the sink "
+            "`kv_rotate` has by default."
+            if "ppl_rotated_sinks" in present(KL_FILES)
+            else "The rotated KIVI rows of `ppl_rotated_bytes` ran before "
+            "`kv_sinks` was 1 by default with `kv_rotate` (without sinks)."
+        ),
         "",
     ]
     for metric, higher, what in (
