@@ -139,12 +139,12 @@ def later_bullets() -> list[str]:
             kb = next(r for r in rows.values() if r["algo"] == "kvzap")
             m4 = rows["mlx.quantized:kv_bits=4"]
             lean = (
-                f"; 4-bit under mlx-lm's 4-bit bytes, agnostic passkey {count(kb)} "
-                f"at {kb['kv_mb']:.1f} MB (its {count(m4)} at {m4['kv_mb']:.1f} MB)"
+                f"; 4-bit, agnostic passkey {count(kb)} at {kb['kv_mb']:.1f} MB "
+                f"(mlx-lm's 4-bit {count(m4)} at {m4['kv_mb']:.1f} MB)"
             )
         out.append(
-            "- `kvzap`: kvzip's scores predicted from the hidden state, no second "
-            f"pass; {count(kz)} with the question in the prompt{cost}{lean}."
+            "- `kvzap` (kvzip's scores predicted, no second pass): "
+            f"{count(kz)} with the question in the prompt{cost}{lean}."
         )
     if (rm.RESULTS / "eval_rotated_kl.json").exists():
         parts, ratio = [], None
@@ -170,6 +170,13 @@ def later_bullets() -> list[str]:
                 sk = by_key(load("passkey_rotated_sinks")["passkey"]["table"])
                 c = sk["kivi:bits=2,kv_rotate=hadamard"]
                 passkey = f"; passkey {count(a)} to {count(c)} ({count(b)} without it)"
+            if (rm.RESULTS / "passkey_rotated_seed1.json").exists():  # held out
+                h = by_key(load("passkey_rotated_seed1")["passkey"]["table"])
+                passkey += (
+                    f", held out {count(h['kivi:bits=2,kv_rotate=hadamard'])}"
+                    f" ({count(h['kivi:bits=2,kv_rotate=hadamard,kv_sinks=0'])}; "
+                    f"full {count(h['full'])})"
+                )
         lean, fits = "", []
         for name in ("quantizer_grid_rotated", "quantizer_sinks", "quantizer_dense"):
             if (rm.RESULTS / f"{name}.json").exists():
