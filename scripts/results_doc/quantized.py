@@ -442,7 +442,7 @@ def _rotated_passkey() -> list[str]:
             continue
         res = load(name)
         rows = res["passkey"]["table"]
-        keys = ["arms", "tasks", "protocol", "context", "cases", "out"]
+        keys = ["arms", "tasks", "protocol", "context", "cases", "seed", "out"]
         out += [
             intro,
             "",
