@@ -182,36 +182,46 @@ def _load(run: dict) -> str:
 
 
 PROBE = "chat_turn1_probe"
+PROBE_TAIL0 = "chat_turn1_probe_tail0"  # kvzap without its tail queries
 
 
 def turn1_probe() -> list[str]:
     """The first turn outside the server, with and without the passkey intro."""
-    if not (rm.RESULTS / f"{PROBE}.json").exists():
-        return []
-    res = load(PROBE)
-    cfg = res["config"]
-    rows = {}
-    for r in res["table"]:
-        rows.setdefault(r["arm"], {})[r["intro"]] = _ci(r)
-    body = [[f"`{a}`", v.get(False, ""), v.get(True, "")] for a, v in rows.items()]
-    return [
-        "The number asked at turn 1, outside the server "
-        "(`scripts/chat_turn1_probe.py`: the same first messages through "
-        "`mlx_lm.stream_generate` in one process, the arms at "
-        f"{cfg['budget']} rows), as sent and with the passkey cases' intro "
-        '("There is a secret number hidden inside a long text...") ahead of '
-        "the document:",
-        "",
-        meta(PROBE, res),
-        "",
-        *table(["arm", "as sent", "with the intro"], body),
-        "",
-        "```bash",
-        f"python scripts/chat_turn1_probe.py --arms {cfg['arms']} "
-        f"--out scripts/results/{PROBE}.json",
-        "```",
-        "",
-    ]
+    out = []
+    for name in (PROBE, PROBE_TAIL0):
+        if not (rm.RESULTS / f"{name}.json").exists():
+            continue
+        res = load(name)
+        cfg = res["config"]
+        rows = {}
+        for r in res["table"]:
+            rows.setdefault(r["arm"], {})[r["intro"]] = _ci(r)
+        body = [[f"`{a}`", v.get(False, ""), v.get(True, "")] for a, v in rows.items()]
+        intro = (
+            "The number asked at turn 1, outside the server "
+            "(`scripts/chat_turn1_probe.py`: the same first messages through "
+            "`mlx_lm.stream_generate` in one process, the arms at "
+            f"{cfg['budget']} rows), as sent and with the passkey cases' intro "
+            '("There is a secret number hidden inside a long text...") ahead of '
+            "the document:"
+            if name == PROBE
+            else "kvzap without `tail` (32 by default: the prompt's newest queries "
+            "also rank the rows; its rows in the table above), the same messages:"
+        )
+        out += [
+            intro,
+            "",
+            meta(name, res),
+            "",
+            *table(["arm", "as sent", "with the intro"], body),
+            "",
+            "```bash",
+            f"python scripts/chat_turn1_probe.py --arms {cfg['arms']} "
+            f"--out scripts/results/{name}.json",
+            "```",
+            "",
+        ]
+    return out
 
 
 def _documents(n: int) -> str:
