@@ -86,11 +86,13 @@ def test_an_arm_the_model_cannot_hold_fails_before_any_arm_runs(
 ):
     # A byte budget's rows depend on the model: checked once it is loaded,
     # before the arms ahead of it (full here) spend their time.
-    from veloxpatch.eval import bench, harness
+    from veloxpatch.eval import bench
+    from veloxpatch.eval.tasks import TASKS
 
     never = lambda *a, **k: pytest.fail("an arm ran")  # noqa: E731
-    monkeypatch.setattr(harness, "run_tasks", never)
-    monkeypatch.setattr(bench, "run", never)
+    for task in TASKS.values():
+        monkeypatch.setattr(task, "run", never)
+    monkeypatch.setattr(bench, "measure", never)
     out = tmp_path / "r.json"
     res = run(command, "--arms", "full,snapkv:max_kv_bytes=20KB", "--out", out)
     assert res.exit_code == 2, res.output

@@ -80,19 +80,6 @@ def _check_arms(arms):
     return runnable, skipped
 
 
-def _bind_arms(model, arms) -> None:
-    """Bind every arm's options to the loaded model before any arm runs: what
-    only the model decides (a byte budget's rows, a calibration file's model,
-    a group that must divide the head dimension) fails now, not after the arms
-    before it have run."""
-    from .api import make_options
-    from .eval.arms import is_peer
-
-    for arm in arms:
-        if not is_peer(arm.algo):
-            make_options(arm.algo, arm.options, model)
-
-
 class _Lines:
     """Progress as one line per step, for logs (click's bar draws nothing
     until the end when stderr is not a terminal)."""
@@ -238,7 +225,6 @@ def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_opt
         click.echo(f"skipped {s['arm']}: {s['reason']}", err=True)
     info = run_info()
     loaded, tokenizer = models.load(model)
-    _bind_arms(loaded, arm_list)
     results = {
         "run": info,
         "config": _config(),
@@ -287,7 +273,6 @@ def bench(
         click.echo(f"skipped {s['arm']}: {s['reason']}", err=True)
     info = run_info()
     loaded, tokenizer = models.load(model)
-    _bind_arms(loaded, arm_list)
     with _progress(len(contexts) * repeats, "repeats") as bar:
         raw, table = bench_mod.run(
             loaded,

@@ -46,6 +46,18 @@ def takes_budget(algo: str) -> bool:
     return cls is not None and "budget" in cls.Options.__dataclass_fields__
 
 
+def bind_to(model, arms) -> None:
+    """Bind every arm's options to the model before any arm runs: what only
+    the model decides (a byte budget's rows, a calibration file's model, a
+    group that must divide the head dimension) fails now, not after the arms
+    before it have run."""
+    from ..api import make_options
+
+    for arm in arms:
+        if not is_peer(arm.algo):
+            make_options(arm.algo, arm.options, model)
+
+
 def parse_value(text: str):
     """Option values from text: int, float, bool, none or string."""
     low = text.lower()

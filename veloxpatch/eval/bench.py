@@ -23,7 +23,7 @@ from mlx_lm.generate import generate_step
 
 from ..memory import kv_bytes
 from . import peers
-from .arms import Arm
+from .arms import Arm, bind_to
 from .sessions import arm_caches, mlx_kind
 from .text import check_length, prose_length, prose_tokens
 
@@ -165,8 +165,10 @@ def run(
     tick=lambda: None,
 ):
     """Raw measurements and the per (context, arm) table of medians and ratios.
-    A text too short for the longest context is refused before anything runs."""
+    A text too short for the longest context, or an arm whose options do not
+    fit the model, is refused before anything runs."""
     check_length(prose_length(tokenizer, text), max(contexts, default=0), text)
+    bind_to(model, arms)
     arms = [BASELINE] + [a for a in arms if a.label != BASELINE.label]
     raw = []
     for context in contexts:

@@ -8,6 +8,7 @@ prefill directly. Results keep every raw row next to the summary tables.
 from __future__ import annotations
 
 from ..errors import OptionError
+from .arms import bind_to
 from .tasks import TASKS, EvalTask
 
 
@@ -30,9 +31,10 @@ def make_tasks(names: list[str], params: dict) -> list[EvalTask]:
 def run_tasks(model, tokenizer, arms, tasks: list[EvalTask], progress) -> dict:
     """Results by task name; `progress(total, label)` is a context manager
     whose `update(1)` marks a step done. Every task checks that its text is
-    long enough before any runs."""
+    long enough, and every arm's options fit the model, before any runs."""
     for task in tasks:
         task.check_fits(tokenizer)
+    bind_to(model, arms)
     results = {}
     for task in tasks:
         with progress(task.steps(), task.progress_label) as bar:
