@@ -518,8 +518,9 @@ def main():
             from veloxpatch.api import make_options
             from veloxpatch.errors import OptionError
 
+            parsed = parse_arm(arm)
             try:
-                make_options(parse_arm(arm).algo, parse_arm(arm).options)
+                make_options(parsed.algo, parsed.options)
             except OptionError as e:
                 raise SystemExit(f"arm {arm!r}: {e}") from None
     check_text(args.text)
