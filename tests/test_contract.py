@@ -99,6 +99,17 @@ ROTATED = [
         dict(bits=2, residual=4, kv_rotate="hadamard", kv_sinks=2),
         "kivi-sinks",
     ),
+    # keys at their own width, on kivi and on an evicting algorithm
+    (
+        "kivi",
+        dict(bits=2, key_bits=4, residual=4, kv_rotate="hadamard"),
+        "kivi-k4v2",
+    ),
+    (
+        "snapkv",
+        dict(budget=40, window=4, kv_bits=2, kv_key_bits=3, kv_residual=4),
+        "snapkv-k3v2",
+    ),
     # the rows not quantized held in fp16 (an evicting algorithm compacts them)
     (
         "snapkv",

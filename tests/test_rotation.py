@@ -435,3 +435,81 @@ def test_fp16_dense_rows_halve_the_residual_and_scale_bytes():
         # the same codes; scales and biases taken from fp16 rows are fp16
         assert half.quantized == plain.quantized > 0
         assert half.store.nbytes < plain.store.nbytes
+
+
+# ---- keys at their own width (key_bits / kv_key_bits) ----------------------------
+@pytest.mark.parametrize("keys", ["channel", "token"])
+@pytest.mark.parametrize("key_bits,bits", [(3, 2), (4, 2), (2, 4)])
+def test_keys_at_their_own_width_read_as_dense_and_survive_save(key_bits, bits, keys):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(40 + key_bits), 4)
+    rows_k = mx.random.normal((1, 2, 64, D), key=k1)
+    values = mx.random.normal((1, 2, 64, D), key=k2)
+    signs = rotation_signs(2, D, 0)
+    store = QuantizedStore((bits, bits), GROUP, signs, keys, key_bits=key_bits)
+    plain = {w: QuantizedStore((w, w), GROUP, signs, keys) for w in (key_bits, bits)}
+    for s in (store, *plain.values()):
+        s.append(rows_k, values)
+    dk, dv = store.dequantize(mx.float32)
+    # keys rounded as at key_bits, values as at bits: the same codes
+    assert mx.array_equal(dk, plain[key_bits].dequantize(mx.float32)[0])
+    assert mx.array_equal(dv, plain[bits].dequantize(mx.float32)[1])
+    q = mx.random.normal((1, 2, 5, D), key=k3)
+    p = mx.softmax(mx.random.normal((1, 2, 5, 64), key=k4), axis=-1)
+    assert rel(store.logits(q), q @ dk.swapaxes(-1, -2)) < 1e-5
+    assert rel(store.weighted(p), p @ dv) < 1e-5
+    part = store.parts[0]
+    assert part.kw.nbytes == plain[key_bits].parts[0].kw.nbytes
+    assert part.vw.nbytes == plain[bits].parts[0].vw.nbytes
+    back = QuantizedStore.from_state(store.state(), GROUP)
+    assert back.key_bits == key_bits
+    assert mx.array_equal(back.dequantize(mx.float32)[0], dk)
+    # a store without it saves as files before it did
+    assert "q.key_bits" not in plain[bits].state()
+
+
+def test_key_bits_reach_the_cache_file_and_the_byte_bound(tmp_path):
+    from veloxpatch.caches.kv_budget import slot_bytes
+
+    model = tiny_model("llama", head_dim=D)
+    ids = prompt_tokens(80)[None]
+    held = {}
+    for kb in (None, 4):
+        opts = dict(bits=2, key_bits=kb, residual=8, kv_rotate="hadamard")
+        with veloxpatch.patched(model, "kivi", **opts) as patch:
+            caches = patch.make_cache()
+            model(ids, cache=caches)
+            held[kb] = caches
+            if kb:
+                veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+                loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+                nxt = mx.array([[5]])
+                assert mx.array_equal(
+                    model(nxt, cache=caches), model(nxt, cache=loaded)
+                )
+                assert loaded[0].store.key_bits == 4
+    two, wide = held[None][0].store.parts[0], held[4][0].store.parts[0]
+    assert wide.kw.nbytes == 2 * two.kw.nbytes and wide.vw.nbytes == two.vw.nbytes
+    Options = ALGORITHMS["kivi"].Options
+    for kb in (None, 3, 4):
+        o = Options(bits=2, key_bits=kb)
+        assert slot_bytes(o, D, 4, True) == D * (2 + (kb or 2)) / 8 + 4 * D * 4 / 32
+
+
+@pytest.mark.parametrize(
+    "algo,opts,match",
+    [
+        ("kivi", dict(key_bits=5), "key_bits must be one of"),
+        ("kivi", dict(key_bits=True), "key_bits must be one of"),
+        ("kivi", dict(bits="adaptive", target_bits=3, key_bits=4), "needs bits"),
+        ("snapkv", dict(kv_key_bits=4), "kv_key_bits needs kv_bits"),
+        (
+            "kivi",
+            dict(key_bits=3, kv_qjl=True, kv_keys="token"),
+            "kv_qjl sets the keys",
+        ),
+        ("kivi", dict(bits=4, group=32, kv_grid="mxfp4", key_bits=2), "must be 4"),
+    ],
+)
+def test_key_bits_options_are_checked(algo, opts, match):
+    with pytest.raises(OptionError, match=match):
+        ALGORITHMS[algo].Options.create(algo, opts)

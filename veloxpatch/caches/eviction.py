@@ -45,7 +45,8 @@ PLACEHOLDER_BUDGET = 2**30  # max_kv_bytes: the budget until bound to a model
 class EvictionOptions(CacheOptions):
     """`budget`: rows kept per layer and KV head, sinks and protected window
     included. `sinks`: first tokens always kept. `kv_bits` (2, 3, 4, 8 or
-    "adaptive" with `target_bits`): store the kept rows KIVI-quantized, keys per
+    "adaptive" with `target_bits`): store the kept rows KIVI-quantized (keys at
+    `kv_key_bits` when given), keys per
     channel over `kv_group` rows, values per row, the newest `kv_residual` rows in
     full precision (see `kv_bits.py`); `kv_keys="token"` quantizes keys per row
     instead; `kv_rotate="hadamard"` stores them rotated by a random Hadamard
@@ -66,6 +67,7 @@ class EvictionOptions(CacheOptions):
     budget: int = 256
     sinks: int = 4
     kv_bits: int | str | None = None
+    kv_key_bits: int | None = None
     kv_group: int = 32
     kv_residual: int = 128
     target_bits: float | None = None
@@ -138,7 +140,13 @@ class EvictionOptions(CacheOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        from .kv_bits import check_grid, check_qjl, check_quant, check_rotate
+        from .kv_bits import (
+            check_grid,
+            check_key_bits,
+            check_qjl,
+            check_quant,
+            check_rotate,
+        )
 
         # kv_group and kv_residual are checked even while kv_bits is unset.
         check_quant(
@@ -154,6 +162,7 @@ class EvictionOptions(CacheOptions):
             self.kv_dense,
         )
         check_qjl(self.kv_qjl, self.kv_bits, self.kv_keys, self.kv_grid, "kv_")
+        check_key_bits(self.kv_key_bits, self.kv_bits, self.kv_qjl, self.kv_grid, "kv_")
         check_int("sinks", self.sinks, 0)
         check_int("budget", self.budget, 1)
         check_choice("head_budget", self.head_budget, HEAD_BUDGETS)

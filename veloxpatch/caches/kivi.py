@@ -22,6 +22,7 @@ from .kv_bits import (
     QuantizedKV,
     check_grid,
     check_group_divides,
+    check_key_bits,
     check_qjl,
     check_quant,
     check_rotatable,
@@ -33,8 +34,9 @@ from .options import CacheOptions, check_int
 @dataclasses.dataclass
 class KIVIOptions(CacheOptions):
     """`bits`: code width (2, 3, 4, 8), or "adaptive": 2 to 4 per KV head with a
-    mean of `target_bits`. `group`: tokens per key group and channels per value
-    group. `residual`: newest tokens always kept in full precision.
+    mean of `target_bits`. `key_bits`: the keys' width when not `bits` (values
+    keep `bits`). `group`: tokens per key group and channels per value group.
+    `residual`: newest tokens always kept in full precision.
     `kv_rotate="hadamard"`: quantized rows stored rotated by a random Hadamard
     transform per head (TurboQuant, `quantized.py`). `kv_keys="token"`: keys
     quantized per token, along channels, as values (KIVI's are per channel).
@@ -48,6 +50,7 @@ class KIVIOptions(CacheOptions):
     measurement: docs/results.md), 0 without (KIVI's definition)."""
 
     bits: int | str = 2
+    key_bits: int | None = None
     group: int = 32
     residual: int = 128
     target_bits: float | None = None
@@ -67,6 +70,7 @@ class KIVIOptions(CacheOptions):
             self.kv_grid, self.bits, self.group, "", self.kv_scales, self.kv_dense
         )
         check_qjl(self.kv_qjl, self.bits, self.kv_keys, self.kv_grid)
+        check_key_bits(self.key_bits, self.bits, self.kv_qjl, self.kv_grid)
         if self.kv_sinks is None:
             self.kv_sinks = 1 if self.kv_rotate else 0
         check_int("kv_sinks", self.kv_sinks, 0)
@@ -78,6 +82,7 @@ class KIVIOptions(CacheOptions):
 
     # the names the quantized storage reads
     kv_bits = property(lambda self: self.bits)
+    kv_key_bits = property(lambda self: self.key_bits)
     kv_group = property(lambda self: self.group)
     kv_residual = property(lambda self: self.residual)
 

@@ -37,6 +37,7 @@ from .kv_options import (  # noqa: F401  (the names callers import from here)
     allocate_bits,
     check_grid,
     check_group_divides,
+    check_key_bits,
     check_qjl,
     check_quant,
     check_rotatable,
@@ -276,7 +277,15 @@ class QuantizedKV:
         D = self.keys.shape[3]
         qjl = qjl_matrix(D, self.layer) if o.kv_qjl else None
         return QuantizedStore(
-            bits, o.kv_group, signs, o.kv_keys, o.kv_grid, o.kv_scales, qjl, self._sinks
+            bits,
+            o.kv_group,
+            signs,
+            o.kv_keys,
+            o.kv_grid,
+            o.kv_scales,
+            qjl,
+            self._sinks,
+            o.kv_key_bits,
         )
 
     @property

@@ -15,11 +15,11 @@ prompt, the others the caller's prefill chunk, on top of the budget.
 - with `kv_bits`: r rows, plus up to max(group, r / 4) holes (evicted rows not
   yet compacted, `kv_bits.HOLE_SHARE`), of which up to residual + group - 1
   slots are the full-precision residual (2 D x dtype size each) and the rest
-  quantized (2 D bits / 8 of codes, and a scale and a bias per `group` values in
-  the model's dtype: 4 D x dtype size / group; fp16 with `kv_scales`, one byte
-  and no bias with mxfp4; `kv_qjl`: a scale and a bias more per key; fp16
-  residual and scales with `kv_dense`), plus 8
-  bytes per row (its position and its slot).
+  quantized (2 D bits / 8 of codes, the keys' at `kv_key_bits` when given,
+  and a scale and a bias per `group` values in the model's dtype: 4 D x dtype
+  size / group; fp16 with `kv_scales`, one byte and no bias with mxfp4;
+  `kv_qjl`: a scale and a bias more per key; fp16 residual and scales with
+  `kv_dense`), plus 8 bytes per row (its position and its slot).
   Adaptive widths count their mean, `target_bits`.
 
 Plus what a layer holds besides its rows (`side_bytes`: expected_attention's
@@ -98,11 +98,12 @@ def slot_bytes(options, head_dim: int, dtype_size: int, quantized: bool) -> int:
     bits = options.kv_bits
     if bits == "adaptive":
         bits = options.target_bits
+    codes = head_dim * (bits + (getattr(options, "kv_key_bits", None) or bits)) / 8
     if getattr(options, "kv_grid", "minmax") == "mxfp4":  # one uint8 scale a group
-        return 2 * head_dim * bits / 8 + 2 * head_dim / options.kv_group
+        return codes + 2 * head_dim / options.kv_group
     scale = 2 if getattr(options, "kv_scales", "model") == "float16" else dtype_size
     sketch = 2 * scale if getattr(options, "kv_qjl", False) else 0  # its ±alpha
-    return 2 * head_dim * bits / 8 + 4 * head_dim * scale / options.kv_group + sketch
+    return codes + 4 * head_dim * scale / options.kv_group + sketch
 
 
 def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:

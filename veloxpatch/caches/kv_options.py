@@ -91,6 +91,27 @@ def check_qjl(qjl, bits, keys, grid, prefix: str = "") -> None:
         )
 
 
+def check_key_bits(key_bits, bits, qjl, grid, prefix: str = "") -> None:
+    """`key_bits`: None (keys at `bits`) or one of BITS, with a fixed integer
+    `bits` on an affine grid; kv_qjl sets the keys' width itself."""
+    name = f"{prefix}key_bits" if prefix else "key_bits"
+    if key_bits is None:
+        return
+    if isinstance(key_bits, bool) or key_bits not in BITS:
+        raise OptionError(f"{name} must be one of {BITS}, got {key_bits!r}")
+    if bits is None or bits == "adaptive":
+        raise OptionError(
+            f"{name} needs {prefix}bits set to one of {BITS} (the values' width), "
+            f"got {bits!r}"
+        )
+    if qjl:
+        raise OptionError(f"{name} and kv_qjl: kv_qjl sets the keys' width (bits - 1)")
+    if grid == "mxfp4" and key_bits != 4:
+        raise OptionError(
+            f"kv_grid='mxfp4' is 4 bits: {name} must be 4, got {key_bits}"
+        )
+
+
 def check_rotatable(dims, rotate) -> None:
     """mx.hadamard_transform takes widths m x 2^k, m in 1, 12, 20, 28."""
     if rotate is None:

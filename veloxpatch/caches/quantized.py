@@ -55,6 +55,11 @@ tokens, where attention sinks its surplus) are held dense and unrotated ahead of
 the quantized groups. Their keys are outliers that take a group's scale, and
 every query reads them: at 2 bits keeping them dense halves SmolLM2's
 continuation KL for 1/2000 of the rows (docs/results.md).
+
+Key width (`key_bits`, kivi's `key_bits` and `kv_key_bits`): keys at another
+width than values, as llama.cpp's separate key and value cache types. Keys and
+values already sit in their own arrays and kernel calls, so only the width
+passed differs; at 2 bits SmolLM2's keys carry most of the continuation's KL.
 """
 
 from __future__ import annotations
@@ -210,7 +215,8 @@ class QuantizedRows:
     `scales`: "model" (scales and biases in the rows' dtype) or "float16".
     `qjl` [D, D] (keys per token only): TurboQuant's 1-bit residual, module
     doc: keys on `bits` - 1 bits, and `rw` [B, H, T, D/32], `rs`, `rb` [B, H,
-    T, 1], the signs of the projected residual, each key's ±alpha."""
+    T, 1], the signs of the projected residual, each key's ±alpha.
+    `key_bits`: the keys' width, when not `bits` (values keep `bits`)."""
 
     NAMES = ("kw", "ks", "kb", "vw", "vs", "vb", "rw", "rs", "rb")
 
@@ -222,10 +228,11 @@ class QuantizedRows:
         grid: str = "minmax",
         scales: str = "model",
         qjl: mx.array | None = None,
+        key_bits: int | None = None,
     ):
         self.bits, self.group, self.keys, self.grid = bits, group, keys, grid
         self.scales, self.qjl = scales, qjl
-        self.key_bits = bits - 1 if qjl is not None else bits
+        self.key_bits = key_bits or (bits - 1 if qjl is not None else bits)
         self.dtype = mx.float16 if scales == "float16" else None
         self.mode = "mxfp4" if grid == "mxfp4" else "affine"
         self._empty()
@@ -403,7 +410,9 @@ class QuantizedStore:
     reads is put back in head order. `signs` [H, D]: rows stored rotated (module
     doc); they and every read are unrotated here. The signs are state, not KV:
     `arrays()` (the bytes held) leaves them out. `sinks`: the first rows held
-    dense (`sink_k`, `sink_v` [B, H, <= sinks, D]), before the quantized ones."""
+    dense (`sink_k`, `sink_v` [B, H, <= sinks, D]), before the quantized ones.
+    `key_bits`: every head's keys at this width, the values at `bits` (None:
+    keys at `bits` too)."""
 
     def __init__(
         self,
@@ -415,17 +424,19 @@ class QuantizedStore:
         scales: str = "model",
         qjl: mx.array | None = None,
         sinks: int = 0,
+        key_bits: int | None = None,
     ):
         self.bits, self.group, self.signs, self.keys = tuple(bits), group, signs, keys
         self.grid, self.scales, self.qjl = grid, scales, qjl
-        self.sinks = sinks
+        self.sinks, self.key_bits = sinks, key_bits
         self.sink_k = self.sink_v = None
         self.widths = sorted(set(self.bits))
         self.heads = [
             [h for h, b in enumerate(self.bits) if b == w] for w in self.widths
         ]
         self.parts = [
-            QuantizedRows(w, group, keys, grid, scales, qjl) for w in self.widths
+            QuantizedRows(w, group, keys, grid, scales, qjl, key_bits)
+            for w in self.widths
         ]
         order = [h for heads in self.heads for h in heads]
         self.inverse = None
@@ -555,6 +566,7 @@ class QuantizedStore:
             self.scales,
             self.qjl,
             self.sinks,
+            self.key_bits,
         )
         new.sink_k, new.sink_v = self.sink_k, self.sink_v
         for src, dst in zip(self.parts, new.parts):
@@ -581,6 +593,8 @@ class QuantizedStore:
             st["q.scales16"] = mx.array([1], dtype=mx.int32)
         if self.qjl is not None:
             st["q.qjl"] = self.qjl
+        if self.key_bits is not None:  # absent: keys at the values' width
+            st["q.key_bits"] = mx.array([self.key_bits], dtype=mx.int32)
         if self.sink_k is not None:
             st["q.sink_k"], st["q.sink_v"] = self.sink_k, self.sink_v
         for w, part in zip(self.widths, self.parts):
@@ -598,8 +612,17 @@ class QuantizedStore:
             raise ValueError(f"unknown quantization grid code {code}")
         bits = tuple(st["q.bits"].tolist())
         scales = "float16" if "q.scales16" in st else "model"
+        key_bits = int(st["q.key_bits"].item()) if "q.key_bits" in st else None
         store = cls(
-            bits, group, st.get("q.signs"), keys, grid, scales, st.get("q.qjl"), sinks
+            bits,
+            group,
+            st.get("q.signs"),
+            keys,
+            grid,
+            scales,
+            st.get("q.qjl"),
+            sinks,
+            key_bits,
         )
         store.sink_k, store.sink_v = st.get("q.sink_k"), st.get("q.sink_v")
         if store.sink_rows > sinks:
