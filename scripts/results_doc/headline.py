@@ -199,6 +199,19 @@ def later_bullets() -> list[str]:
                     b2, m2 = t[b["arm"]], t["mlx.quantized:kv_bits=4"]
                     word = "loss" if b2["kl"] > m2["kl"] else "win"
                     lean += f", and {b2['kl']:.3f} against {m2['kl']:.3f}, {word}"
+        if (rm.RESULTS / "quantizer_key_bits.json").exists():
+            arm = KEY_BITS_LEAN
+            kls, ratio3 = [], None
+            for name in ("quantizer_key_bits", "quantizer_key_bits_licenses"):
+                if (rm.RESULTS / f"{name}.json").exists():
+                    t = by_key(load(name)["table"])
+                    m = t["mlx.quantized:kv_bits=4"]
+                    kls.append(f"{t[arm]['kl']:.3f} against {m['kl']:.3f}")
+                    ratio3 = t[arm]["kv_bytes"] / m["kv_bytes"]
+            lean += (
+                f"; with 3-bit keys (`key_bits=3`, no residual) {' and '.join(kls)}"
+                f" at {ratio3:.3f}x"
+            )
         speed = ""
         if (rm.RESULTS / "bench_rotated_sinks_decode.json").exists():
             t = by_key(load("bench_rotated_sinks_decode")["table"])
@@ -212,6 +225,11 @@ def later_bullets() -> list[str]:
             f"{' and '.join(parts)} at {ratio:.2f}x its bytes{passkey}{lean}{speed}."
         )
     return out
+
+
+KEY_BITS_LEAN = (
+    "kivi:bits=2,group=64,key_bits=3,kv_dense=float16,kv_rotate=hadamard,residual=0"
+)
 
 
 def headline() -> list[str]:

@@ -330,7 +330,7 @@ def _grid_findings(rows: list[dict]) -> list[str]:
         return r["kv_bytes"] / m4["kv_bytes"]
 
     def cell(r):
-        return f"`{r['arm']}` KL {r['kl']:.4f} at {ratio(r):.2f}x its bytes"
+        return f"`{r['arm']}` KL {r['kl']:.4f} at {ratio(r):.3f}x its bytes"
 
     kivi = [(r, _widths(r["arm"])) for r in rows if r["arm"].startswith("kivi")]
     two = [r for r, (k, v) in kivi if k == v == 2]
