@@ -335,12 +335,15 @@ def _grid_findings(rows: list[dict]) -> list[str]:
     kivi = [(r, _widths(r["arm"])) for r in rows if r["arm"].startswith("kivi")]
     two = [r for r, (k, v) in kivi if k == v == 2]
     wide_keys = [r for r, (k, v) in kivi if v == 2 and k > 2]
+    wide_values = [r for r, (k, v) in kivi if k == 2 and v > 2]
     out = []
     if two:
         best = min(two, key=lambda r: r["kl"])
         out.append(f"- best at 2 bits: {cell(best)} (mlx-lm's 4-bit: {m4['kl']:.4f})")
     for r in sorted(wide_keys, key=ratio):
         out.append(f"- 2-bit values, wider keys: {cell(r)}")
+    for r in sorted(wide_values, key=ratio):
+        out.append(f"- 2-bit keys, wider values: {cell(r)}")
     if two or wide_keys:
         lean = [r for r in two + wide_keys if ratio(r) <= 0.6]
         if lean:
