@@ -191,27 +191,14 @@ def later_bullets() -> list[str]:
         if fits:
             b, m, name = min(fits, key=lambda f: f[0]["kl"])
             word = "loss" if b["kl"] > m["kl"] else "win"
-            lean = f"; at ≤0.6x its bytes {b['kl']:.3f} against {m['kl']:.3f}, {word}"
+            lean = f"; at ≤0.6x its bytes {b['kl']:.3f} ({word})"
             other = rm.RESULTS / f"{name}_licenses.json"
             if other.exists():  # the same arm on the second prose
                 t = by_key(load(f"{name}_licenses")["table"])
                 if b["arm"] in t:
                     b2, m2 = t[b["arm"]], t["mlx.quantized:kv_bits=4"]
                     word = "loss" if b2["kl"] > m2["kl"] else "win"
-                    lean += f", and {b2['kl']:.3f} against {m2['kl']:.3f}, {word}"
-        if (rm.RESULTS / "quantizer_key_bits.json").exists():
-            arm = KEY_BITS_LEAN
-            kls, ratio3 = [], None
-            for name in ("quantizer_key_bits", "quantizer_key_bits_licenses"):
-                if (rm.RESULTS / f"{name}.json").exists():
-                    t = by_key(load(name)["table"])
-                    m = t["mlx.quantized:kv_bits=4"]
-                    kls.append(f"{t[arm]['kl']:.3f} against {m['kl']:.3f}")
-                    ratio3 = t[arm]["kv_bytes"] / m["kv_bytes"]
-            lean += (
-                f"; with 3-bit keys (`key_bits=3`, no residual) {' and '.join(kls)}"
-                f" at {ratio3:.3f}x"
-            )
+                    lean += f" and {b2['kl']:.3f} ({word})"
         speed = ""
         if (rm.RESULTS / "bench_rotated_sinks_decode.json").exists():
             t = by_key(load("bench_rotated_sinks_decode")["table"])
@@ -223,6 +210,7 @@ def later_bullets() -> list[str]:
         out.append(
             f'- `kv_rotate="hadamard"` (with its default sink): 2-bit KIVI KL '
             f"{' and '.join(parts)} at {ratio:.2f}x its bytes{passkey}{lean}{speed}."
+            f"{_key_bits_summary()}"
         )
     return out
 
@@ -230,6 +218,32 @@ def later_bullets() -> list[str]:
 KEY_BITS_LEAN = (
     "kivi:bits=2,group=64,key_bits=3,kv_dense=float16,kv_rotate=hadamard,residual=0"
 )
+
+
+def _key_bits_summary() -> str:
+    """3-bit keys with 2-bit values at about 0.6x mlx-lm's 4-bit bytes: KL on
+    both proses, passkey on both seeds."""
+    if not (rm.RESULTS / "quantizer_key_bits.json").exists():
+        return ""
+    kls, ratio = [], None
+    for name in ("quantizer_key_bits", "quantizer_key_bits_licenses"):
+        if (rm.RESULTS / f"{name}.json").exists():
+            t = by_key(load(name)["table"])
+            kls.append(f"{t[KEY_BITS_LEAN]['kl']:.3f}")
+            ratio = (
+                t[KEY_BITS_LEAN]["kv_bytes"] / t["mlx.quantized:kv_bits=4"]["kv_bytes"]
+            )
+    got, mb = [], None
+    for name in ("passkey_key_bits", "passkey_key_bits_seed1"):
+        if (rm.RESULTS / f"{name}.json").exists():
+            row = by_key(load(name)["passkey"]["table"])[KEY_BITS_LEAN]
+            got.append(count(row))
+            mb = row["kv_mb"]
+    passkey = f", passkey {' and '.join(got)} at {mb:.1f} MB" if got else ""
+    return (
+        f" 3-bit keys, 2-bit values, no residual (`key_bits=3`): KL "
+        f"{' and '.join(kls)} at {ratio:.3f}x its bytes{passkey}."
+    )
 
 
 def headline() -> list[str]:
