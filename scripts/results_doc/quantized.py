@@ -310,6 +310,16 @@ def rotated() -> list[str]:
 GRID_STUDY = "quantizer_grid_rotated"
 
 
+def _present(intros: dict) -> list[tuple]:
+    """(name, intro, loaded results) of each results file in `intros` that
+    exists, in order: a section shows the runs made so far."""
+    return [
+        (name, intro, load(name))
+        for name, intro in intros.items()
+        if (rm.RESULTS / f"{name}.json").exists()
+    ]
+
+
 def _widths(label: str) -> tuple:
     """(key width, value width) of a kivi arm's label; 0 where not a number
     (adaptive widths)."""
@@ -403,10 +413,8 @@ def _grid_study() -> list[str]:
         "keys and values for comparison",
         "quantizer_key_bits_licenses": "The same on the second prose",
     }
-    names = [n for n in intros if (rm.RESULTS / f"{n}.json").exists()]
     out = []
-    for name in names:
-        res = load(name)
+    for name, lead, res in _present(intros):
         cfg, rows = res["config"], res["table"]
         m4 = next((r for r in rows if r["arm"] == "mlx.quantized:kv_bits=4"), None)
         body = [
@@ -424,7 +432,7 @@ def _grid_study() -> list[str]:
         head = ["arm", "grid", "ppl", "agreement", "KL(full ‖ arm)", "KV MB"]
         head += ["bytes / mlx-lm 4-bit"]
         intro = (
-            f"{intros[name]}; `scripts/quantizer_kl.py`, "
+            f"{lead}; `scripts/quantizer_kl.py`, "
             f"{cfg['context']:,}-token contexts ({cfg['segments']}), a "
             f"{cfg['continuation']}-token continuation one token per call, "
             f"prose `{cfg.get('text', 'evaluation')}`:"
@@ -471,10 +479,7 @@ def _rotated_passkey() -> list[str]:
         "the cases of the held-out table above):",
     }
     out = []
-    for name, intro in intros.items():
-        if not (rm.RESULTS / f"{name}.json").exists():
-            continue
-        res = load(name)
+    for name, intro, res in _present(intros):
         rows = res["passkey"]["table"]
         keys = ["arms", "tasks", "protocol", "context", "cases", "seed", "out"]
         out += [
@@ -503,10 +508,7 @@ def _rotated_speed() -> list[str]:
         "fp16 residual (`kv_dense`), each against `kivi` at its width",
     }
     out = []
-    for name, intro in intros.items():
-        if not (rm.RESULTS / f"{name}.json").exists():
-            continue
-        res = load(name)
+    for name, intro, res in _present(intros):
         raw = res["raw"]
         arms = list(dict.fromkeys(r["arm"] for r in raw if r["arm"] != "unpatched"))
         body = []
@@ -559,10 +561,7 @@ def _rotated_decode_alone() -> list[str]:
         "reads 3-bit codes more slowly than 2- or 4-bit ones:",
     }
     out = []
-    for name, why in intros.items():
-        if not (rm.RESULTS / f"{name}.json").exists():
-            continue
-        res = load(name)
+    for name, why, res in _present(intros):
         cfg = res["config"]
         body = [
             [
