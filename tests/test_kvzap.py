@@ -87,6 +87,24 @@ def test_mlp_fit_learns_what_a_line_cannot():
     assert r2(lin) < 0.1 and r2(mlp) > 0.8
 
 
+def test_a_standardized_mlp_folds_its_scaling_into_the_first_layer():
+    # trained on X standardized, read on raw X: the same function as the MLP
+    # trained (same seed, same steps) on the standardized X and read there
+    rng = np.random.default_rng(3)
+    X = (rng.normal(size=(600, 6)) * [1, 10, 0.1, 5, 1, 50] + 3).astype(np.float32)
+    Y = np.stack([np.tanh(X[:, 1] / 10), X[:, 3] / 5], axis=1).astype(np.float32)
+    mean, std = X.mean(0), X.std(0) + 1e-6
+    folded = fit_mlp(X, Y, hidden=16, epochs=3, standardize=True, weight_decay=0.01)
+    plain = fit_mlp(
+        ((X - mean) / std).astype(np.float32), Y, hidden=16, epochs=3, weight_decay=0.01
+    )
+    from veloxpatch.kvzap_scorer import predict
+
+    ref = predict(plain, ((X - mean) / std).astype(np.float32))
+    np.testing.assert_allclose(predict(folded, X), ref, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(folded["w1"], plain["w1"])  # the scaling is in w1
+
+
 def test_segments_and_held_out_split():
     assert segments_of(600, 1024) == [(0, 300), (300, 600)]
     assert len(segments_of(5000, 1024)) == 4

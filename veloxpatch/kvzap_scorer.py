@@ -145,15 +145,23 @@ def fit_mlp(
     lr=MLP_LR,
     batch=MLP_BATCH,
     seed=0,
+    standardize=False,
+    weight_decay=0.0,
 ) -> dict:
     """{w1, b1, w2, b2}: GELU(X w1 + b1) w2 + b2 trained with Adam on the
-    mean squared error, `epochs` passes over shuffled batches."""
+    mean squared error, `epochs` passes over shuffled batches. `standardize`:
+    trained on X scaled to zero mean and unit variance per feature, the scaling
+    folded into w1 and b1 afterwards (so the file's forward is unchanged);
+    `weight_decay`: AdamW's decoupled decay."""
     import mlx.optimizers as optim
 
     from .caches.kvzap import surrogate_scores
 
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
+    mean = X.mean(0) if standardize else np.zeros(X.shape[1])
+    std = X.std(0) + 1e-6 if standardize else np.ones(X.shape[1])
+    X = (X - mean) / std
     d, h = X.shape[1], Y.shape[1]
     bound1, bound2 = 1 / math.sqrt(d), 1 / math.sqrt(hidden)
     params = {
@@ -168,7 +176,11 @@ def fit_mlp(
         return ((surrogate_scores(p, x[None])[0].T - y) ** 2).mean()
 
     step = mx.value_and_grad(loss)
-    opt = optim.Adam(learning_rate=lr)
+    opt = (
+        optim.AdamW(learning_rate=lr, weight_decay=weight_decay)
+        if weight_decay
+        else optim.Adam(learning_rate=lr)
+    )
     for _ in range(epochs):
         order = rng.permutation(len(X))
         for a in range(0, len(X), batch):
@@ -176,7 +188,11 @@ def fit_mlp(
             _, grads = step(params, Xa[idx], Ya[idx])
             params = opt.apply_gradients(grads, params)
             mx.eval(params, opt.state)
-    return {k: np.array(v) for k, v in params.items()}
+    out = {k: np.array(v) for k, v in params.items()}
+    # GELU((x - mean) / std w1 + b1) = GELU(x (w1 / std) + b1 - (mean / std) w1)
+    out["b1"] = (out["b1"] - (mean / std) @ out["w1"]).astype(np.float32)
+    out["w1"] = (out["w1"] / std[:, None]).astype(np.float32)
+    return out
 
 
 def predict(weights: dict, X: np.ndarray) -> np.ndarray:
@@ -204,6 +220,29 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 
 # ---- the whole job -----------------------------------------------------------------
+def fit_layers(data, fit) -> tuple[list, list]:
+    """(per layer weights `fit(X, Y)` of the segments not held out, None for
+    sliding-window layers; per layer held-out quality) from `collect`'s data."""
+    mask = held_out(len(data))
+    train = [d for d, out in zip(data, mask) if not out]
+    test = [d for d, out in zip(data, mask) if out]
+    layers, report = [], []
+    for i in range(len(data[0][0])):
+        if data[0][0][i] is None:
+            layers.append(None)
+            report.append(None)
+            continue
+        w = fit(
+            np.concatenate([d[0][i] for d in train]),
+            np.concatenate([d[1][i] for d in train]),
+        )
+        Xt = np.concatenate([d[0][i] for d in test])
+        Yt = np.concatenate([d[1][i] for d in test])
+        report.append({"layer": i, **fit_quality(predict(w, Xt), Yt)})
+        layers.append(w)
+    return layers, report
+
+
 def calibrate_scorer(
     model, tokenizer, ids, kind="linear", *, seed=0, tick=None, segment=SEGMENT
 ):
@@ -216,24 +255,12 @@ def calibrate_scorer(
     data = collect(model, tokenizer, ids, segment=segment, seed=seed, tick=tick)
     scored = time.perf_counter() - start
     mask = held_out(len(data))
-    layers, report = [], []
-    for i in range(len(data[0][0])):
-        if data[0][0][i] is None:
-            layers.append(None)
-            report.append(None)
-            continue
-        train = [d for d, out in zip(data, mask) if not out]
-        test = [d for d, out in zip(data, mask) if out]
-        X = np.concatenate([d[0][i] for d in train])
-        Y = np.concatenate([d[1][i] for d in train])
-        if kind == "linear":
-            w = fit_ridge(X, Y)
-        else:
-            w = fit_mlp(X, Y, seed=seed)
-        Xt = np.concatenate([d[0][i] for d in test])
-        Yt = np.concatenate([d[1][i] for d in test])
-        report.append({"layer": i, **fit_quality(predict(w, Xt), Yt)})
-        layers.append({k: mx.array(v, mx.float32) for k, v in w.items()})
+    fit = fit_ridge if kind == "linear" else (lambda X, Y: fit_mlp(X, Y, seed=seed))
+    weights, report = fit_layers(data, fit)
+    layers = [
+        None if w is None else {k: mx.array(v, mx.float32) for k, v in w.items()}
+        for w in weights
+    ]
     quality = [r for r in report if r is not None]
     info = {
         "kind": kind,
