@@ -14,6 +14,7 @@ KEYS = [*AGNOSTIC_KEYS, "text"]
 
 CALIBRATION = "kvzap_calibration"
 CALIBRATION_39K = "kvzap_calibration_39k"  # the whole calibration prose
+FIT_STUDY = "kvzap_fit_study"  # ridge on shares of the data, MLP variants
 AGNOSTIC = "passkey_kvzap_agnostic"
 LICENSES = "passkey_kvzap_licenses"
 OPTIONS = "passkey_kvzap_options"
@@ -152,6 +153,65 @@ def calibration() -> list[str]:
     ]
 
 
+def fit_study() -> list[str]:
+    if not _have(FIT_STUDY):
+        return []
+    res = load(FIT_STUDY)
+
+    def what(r):
+        if r["fit"] == "ridge":
+            return f"ridge, {r['options']['samples_share']:.0%} of the samples"
+        opts = ", ".join(f"{k}={v}" for k, v in r["options"].items())
+        return f"mlp ({opts or 'as shipped'})"
+
+    rows = [
+        [
+            what(r),
+            f"{r['mean_r2']:.3f}",
+            f"{r['mean_spearman']:.3f}",
+            f"{r['min_spearman']:.2f}",
+            f"{r['fit_seconds']:.1f}",
+        ]
+        for r in res["table"]
+    ]
+    head = ["fit", "R^2", "rank corr.", "worst layer's", "fit s"]
+    cfg = res["config"]
+    ridge = {
+        r["options"]["samples_share"]: r for r in res["table"] if r["fit"] == "ridge"
+    }
+    mlps = [r for r in res["table"] if r["fit"] == "mlp"]
+    best = max(mlps, key=lambda r: r["mean_r2"])
+    finding = (
+        f"On all the samples ridge reaches R^2 {ridge[1]['mean_r2']:.3f}, "
+        f"the best MLP ({what(best)[5:-1]}) {best['mean_r2']:.3f}, the MLP as "
+        f"shipped {mlps[0]['mean_r2']:.3f}. Ridge on half and a quarter of "
+        f"the samples: {ridge[0.5]['mean_r2']:.3f} and {ridge[0.25]['mean_r2']:.3f}."
+    )
+    return [
+        "### The fit or the data",
+        "",
+        f"One collection of {cfg['tokens']:,} tokens of calibration prose "
+        f"({res['segments']} segments, {res['samples_per_segment']} sampled "
+        "positions each, held out as `veloxpatch calibrate` holds them "
+        "out), every fit judged on the same held-out segments: ridge trained on "
+        "a share of each segment's samples, and the MLP as `--kind mlp` "
+        "ships it and with the usual remedies for a small training set "
+        "(`fit_mlp`'s options).",
+        "",
+        meta(FIT_STUDY, res),
+        "",
+        *table(head, rows),
+        "",
+        finding,
+        "",
+        "```bash",
+        f"python scripts/kvzap_fit_study.py --tokens {cfg['tokens']} "
+        f"--out scripts/results/{FIT_STUDY}.json",
+        "```",
+        "",
+    ]
+
+
 def passkey_parts() -> list[tuple[str, str, bool]]:
     """(results file, what it measured, whether to show KV MB) of the passkey
     runs, in the order they appear."""
@@ -258,7 +318,7 @@ def passkey_parts() -> list[tuple[str, str, bool]]:
 
 
 def kvzap() -> list[str]:
-    parts = calibration()
+    parts = calibration() + fit_study()
     for name, intro, with_kv in passkey_parts():
         if _have(name):
             rows = load(name)["passkey"]["table"]
