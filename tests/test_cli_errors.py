@@ -197,6 +197,9 @@ AFTER_LOAD = [
         f"{CAL} --text short.txt --tokens 500",
         "--text short.txt has 50 tokens, fewer than the 500 needed",
     ),
+    # the default --tokens is the algorithm's: 4,096, kvzap's 16,384
+    (f"{CAL} --text short.txt", "fewer than the 4,096 needed"),
+    (f"{CAL} --algo kvzap --text short.txt", "fewer than the 16,384 needed"),
     (
         f"eval {AR} --text short.txt --context 200",
         "--text short.txt has 50 tokens, fewer than the 120 needed",
