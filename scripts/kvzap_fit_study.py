@@ -32,18 +32,15 @@ RIDGE_SHARES = (4, 2, 1)  # every n-th sample of a segment
 
 
 def _row(fit: str, options: dict, report: list, seconds: float) -> dict:
-    import numpy as np
+    from veloxpatch.kvzap_scorer import summary
 
-    quality = [r for r in report if r is not None]
-    rho = [r["spearman"] for r in quality]
-    return {
-        "fit": fit,
-        "options": options,
-        "mean_r2": round(float(np.mean([r["r2"] for r in quality])), 4),
-        "mean_spearman": round(float(np.mean(rho)), 4),
-        "min_spearman": round(float(min(rho)), 4),
-        "fit_seconds": round(seconds, 1),
-    }
+    seconds = round(seconds, 1)
+    return {"fit": fit, "options": options, **summary(report), "fit_seconds": seconds}
+
+
+def _every(a, n: int):
+    """Every n-th sample of a layer's array (None for sliding-window layers)."""
+    return None if a is None else a[::n]
 
 
 def main() -> None:
@@ -74,17 +71,14 @@ def main() -> None:
     print(f"scored {len(data)} segments in {scoring:.0f} s", flush=True)
 
     rows = []
+    mask = held_out(len(data))
     for every in RIDGE_SHARES:
         # the held-out segments keep every sample: only training data shrinks
         part = [
-            (
-                [None if x is None else x[::every] for x in X],
-                [None if y is None else y[::every] for y in Y],
-            )
-            for X, Y in data
-        ]
-        part = [
-            p if not out else d for p, d, out in zip(part, data, held_out(len(data)))
+            (X, Y)
+            if out
+            else ([_every(x, every) for x in X], [_every(y, every) for y in Y])
+            for (X, Y), out in zip(data, mask)
         ]
         t = time.perf_counter()
         _, report = fit_layers(part, fit_ridge)

@@ -152,7 +152,7 @@ def fit_mlp(
     mean squared error, `epochs` passes over shuffled batches. `standardize`:
     trained on X scaled to zero mean and unit variance per feature, the scaling
     folded into w1 and b1 afterwards (so the file's forward is unchanged);
-    `weight_decay`: AdamW's decoupled decay."""
+    `weight_decay`: AdamW's decoupled decay (0: Adam)."""
     import mlx.optimizers as optim
 
     from .caches.kvzap import surrogate_scores
@@ -176,11 +176,7 @@ def fit_mlp(
         return ((surrogate_scores(p, x[None])[0].T - y) ** 2).mean()
 
     step = mx.value_and_grad(loss)
-    opt = (
-        optim.AdamW(learning_rate=lr, weight_decay=weight_decay)
-        if weight_decay
-        else optim.Adam(learning_rate=lr)
-    )
+    opt = optim.AdamW(learning_rate=lr, weight_decay=weight_decay)  # 0: Adam
     for _ in range(epochs):
         order = rng.permutation(len(X))
         for a in range(0, len(X), batch):
@@ -220,6 +216,18 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 
 # ---- the whole job -----------------------------------------------------------------
+def summary(report: list) -> dict:
+    """Held-out quality over the layers of a `fit_layers` report: mean R^2,
+    mean and worst rank correlation."""
+    quality = [r for r in report if r is not None]
+    rho = [r["spearman"] for r in quality]
+    return {
+        "mean_r2": round(float(np.mean([r["r2"] for r in quality])), 4),
+        "mean_spearman": round(float(np.mean(rho)), 4),
+        "min_spearman": round(float(min(rho)), 4),
+    }
+
+
 def fit_layers(data, fit) -> tuple[list, list]:
     """(per layer weights `fit(X, Y)` of the segments not held out, None for
     sliding-window layers; per layer held-out quality) from `collect`'s data."""
@@ -269,8 +277,7 @@ def calibrate_scorer(
         "held_out_segments": int(sum(mask)),
         "samples_per_segment": next(len(y) for y in data[0][1] if y is not None),
         "held_out": quality,
-        "mean_r2": round(float(np.mean([r["r2"] for r in quality])), 4),
-        "mean_spearman": round(float(np.mean([r["spearman"] for r in quality])), 4),
+        **{k: v for k, v in summary(report).items() if k != "min_spearman"},
         "scoring_seconds": round(scored, 1),
         "fit_seconds": round(time.perf_counter() - start - scored, 1),
     }
