@@ -49,6 +49,13 @@ CHUNKED = dict(compress="chunks", chunk=8)
 ROTATED = [
     ("kivi", dict(CONTRACT["kivi"], kv_rotate="hadamard"), "kivi-rot"),
     ("kivi", dict(CONTRACT["kivi"], kv_keys="token"), "kivi-token"),
+    # keys scaled by the prompt's queries before the rotation, kept and evicted
+    ("kivi", dict(bits=2, residual=4, kv_rotate="query"), "kivi-query"),
+    (
+        "snapkv",
+        dict(budget=40, window=4, kv_bits=2, kv_residual=4, kv_rotate="query"),
+        "snapkv-kv2-query",
+    ),
     (
         "snapkv",
         # 40 rows: whole 32-row groups are quantized before eviction

@@ -14,6 +14,7 @@ import veloxpatch
 from veloxpatch.caches import ALGORITHMS
 from veloxpatch.caches.quantized import (
     QuantizedStore,
+    key_scales,
     rotate,
     rotation_signs,
     unrotate,
@@ -80,14 +81,17 @@ def test_rotation_spreads_outlier_channels_of_per_token_groups():
     assert err["rotated"][0] == pytest.approx(err["plain"][0], rel=0.1)  # keys
 
 
+@pytest.mark.parametrize("rotation", ["hadamard", "query"])
 @pytest.mark.parametrize("keys", ["channel", "token"])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_cache_attention_equals_dense_attention_of_its_rows(bits, heads, keys):
+def test_cache_attention_equals_dense_attention_of_its_rows(
+    bits, heads, keys, rotation
+):
     # kernel path: prefill pieces under 32 queries, then decode
     hq, hkv = heads
     cls = ALGORITHMS["kivi"]
-    opts = dict(bits=bits, residual=4, kv_rotate="hadamard", kv_keys=keys)
+    opts = dict(bits=bits, residual=4, kv_rotate=rotation, kv_keys=keys)
     cache = cls(cls.Options(**opts))
     total = 0
     for i, L in enumerate([20, 30, 25, 1, 1, 1]):
@@ -108,11 +112,13 @@ def test_cache_attention_equals_dense_attention_of_its_rows(bits, heads, keys):
         ref = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=D**-0.5, mask=mask)
         assert rel(out, ref) < 1e-5
     assert quantized > 0 and cache.store.signs is not None
+    assert (cache.store.key_scale is not None) == (rotation == "query")
 
 
-def test_rotated_rows_round_trip_a_file(tmp_path):
+@pytest.mark.parametrize("rotation", ["hadamard", "query"])
+def test_rotated_rows_round_trip_a_file(tmp_path, rotation):
     model = tiny_model("qwen3", head_dim=D)
-    opts = dict(bits=2, residual=4, kv_rotate="hadamard")
+    opts = dict(bits=2, residual=4, kv_rotate=rotation)
     with veloxpatch.patched(model, "kivi", **opts) as patch:
         caches = patch.make_cache()
         model(prompt_tokens(80)[None], cache=caches)
@@ -120,8 +126,63 @@ def test_rotated_rows_round_trip_a_file(tmp_path):
         loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
         for a, b in zip(caches, loaded):
             assert (np.array(a.store.signs) == np.array(b.store.signs)).all()
+            if rotation == "query":
+                assert mx.array_equal(a.store.key_scale, b.store.key_scale)
         nxt = mx.array([[5]])
         assert mx.array_equal(model(nxt, cache=caches), model(nxt, cache=loaded))
+
+
+# ---- query-aware scaling (kv_rotate="query") ---------------------------------------
+def test_key_scales_follow_queries_over_key_spread():
+    k1, k2 = mx.random.split(mx.random.key(3))
+    spread = mx.exp(mx.random.normal((D,), key=k1))
+    keys = mx.random.normal((1, 2, 2 * GROUP, D), key=k2) * spread + 5.0
+    power = mx.exp(mx.random.normal((1, 2, D), key=k1))
+    s = np.array(key_scales(power, keys, GROUP), np.float64)
+    g = np.array(keys, np.float64).reshape(1, 2, 2, GROUP, D)
+    var = g.var(3).mean(2)  # within each group: offsets between groups ignored
+    ref = (np.array(power, np.float64) / var) ** 0.25
+    ref /= np.exp(np.log(ref).mean(-1, keepdims=True))
+    assert np.abs(s / ref - 1).max() < 1e-4
+    assert (np.array(key_scales(None, keys, GROUP)) == 1).all()
+
+
+def test_query_aware_scaling_cuts_the_logit_error_of_2_bit_keys():
+    # queries look along a few channels where keys vary little; a plain rotation
+    # spreads the large channels' rounding error onto them, the scaled one not
+    k1, k2, k3 = mx.random.split(mx.random.key(11), 3)
+    loud = mx.where(mx.arange(D) < 8, 0.2, 3.0)
+    keys = mx.random.normal((1, 2, 4 * GROUP, D), key=k1) * loud
+    look = mx.where(mx.arange(D) < 8, 4.0, 0.3)
+    q = mx.random.normal((1, 2, 64, D), key=k2) * look
+    err = {}
+    for aware in (False, True):
+        signs = rotation_signs(2, D, 0)
+        store = QuantizedStore((2, 2), GROUP, signs, query_aware=aware)
+        store.query_power = (q * q).mean(2)
+        store.append(keys, keys)
+        ref = q @ keys.swapaxes(-1, -2)
+        err[aware] = float(mx.sqrt(((store.logits(q) - ref) ** 2).mean()))
+    assert err[True] < 0.5 * err[False]
+
+
+def test_query_power_before_the_first_group_survives_a_file(tmp_path):
+    # saved before any row is quantized: the next group's scales still see the
+    # prompt's queries
+    model = tiny_model("llama", head_dim=D)
+    opts = dict(bits=2, residual=4, group=32, kv_rotate="query")
+    with veloxpatch.patched(model, "kivi", **opts) as patch:
+        caches = patch.make_cache()
+        model(prompt_tokens(20)[None], cache=caches)
+        assert caches[0].store.key_scale is None and caches[0].query_count > 0
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+        more = prompt_tokens(40)[None]
+        out, ref = model(more, cache=loaded), model(more, cache=caches)
+        assert mx.array_equal(out, ref)
+        for a, b in zip(caches, loaded):
+            assert a.query_power is None and a.store.key_scale is not None
+            assert mx.array_equal(a.store.key_scale, b.store.key_scale)
 
 
 @pytest.mark.parametrize(

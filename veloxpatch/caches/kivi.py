@@ -38,7 +38,9 @@ class KIVIOptions(CacheOptions):
     keep `bits`). `group`: tokens per key group and channels per value group.
     `residual`: newest tokens always kept in full precision.
     `kv_rotate="hadamard"`: quantized rows stored rotated by a random Hadamard
-    transform per head (TurboQuant, `quantized.py`). `kv_keys="token"`: keys
+    transform per head (TurboQuant, `quantized.py`); `kv_rotate="query"`: the
+    same after scaling key channels by the prompt's own queries, so rounding
+    error lands where queries look least (`quantized.py`). `kv_keys="token"`: keys
     quantized per token, along channels, as values (KIVI's are per channel).
     `kv_grid`: "minmax" (the paper's), "mlx" (mx.quantize), "gaussian"
     (TurboQuant's scalar quantizer) or "mxfp4" (`quantized.py`). `kv_scales=

@@ -61,6 +61,10 @@ class QuantizedKV:
         self.store: QuantizedStore | None = None
         self.slot = None  # row -> slot [B, Hkv, rows] int32; None: row r = slot r
         self.window_q = None  # adaptive: last prompt queries [B, Hq, W, D]
+        # kv_rotate="query": sum of squared queries [B, Hkv, D] and their count,
+        # until the first group is quantized (quantized.key_scales)
+        self.query_power = None
+        self.query_count = 0
 
     # ---- slots --------------------------------------------------------------------
     @property
@@ -218,7 +222,24 @@ class QuantizedKV:
         super().after_attend(q, new_rows)  # the algorithm evicts first
         if self._adaptive and self.store is None:
             self.window_q = newest_queries(self.window_q, q, ENTROPY_WINDOW)
+        if self.options.kv_rotate == "query" and not self._scaled:
+            self._add_query_power(q)
         self._settle()
+
+    @property
+    def _scaled(self) -> bool:
+        return self.store is not None and self.store.key_scale is not None
+
+    def _add_query_power(self, q) -> None:
+        """Add a call's queries [B, Hq, L, D] to the squared sums per KV head."""
+        B, Hq, L, D = q.shape
+        H = self.keys.shape[1]
+        qg = q.astype(mx.float32).reshape(B, H, Hq // H * L, D)
+        power = (qg * qg).sum(2)
+        if self.query_power is not None:
+            power = power + self.query_power
+        self.query_power = power
+        self.query_count += Hq // H * L
 
     def end_prompt(self):
         if self._adaptive and self.store is None and self.window_q is not None:
@@ -259,17 +280,21 @@ class QuantizedKV:
             self.store = self._new_store((o.kv_bits,) * self.keys.shape[1])
         n = self.store.to_fill(self.keys.shape[2] - o.kv_residual)
         if n > 0:
+            if self.query_power is not None:  # the first group's scales use them
+                self.store.query_power = self.query_power / self.query_count
             self.store.append(self.keys[:, :, :n], self.values[:, :, :n])
             # copied out: the residual's slice would hold the call's dense rows
             self.keys = mx.contiguous(self.keys[:, :, n:])
             self.values = mx.contiguous(self.values[:, :, n:])
+        if self._scaled:  # the scales are set: the queries' sums are done with
+            self.query_power, self.query_count = None, 0
 
     def _new_store(self, bits: tuple[int, ...]) -> QuantizedStore:
         """An empty store of these widths, keys grouped by `kv_keys`, rotated
         with `kv_rotate`: the signs of every KV head of the layer are drawn, so
         a sharded model's ranks rotate their heads as unsharded."""
         signs = None
-        if self.options.kv_rotate == "hadamard":
+        if self.options.kv_rotate is not None:
             H, D = self.keys.shape[1], self.keys.shape[3]
             every = rotation_signs(H * self.shards.size, D, self.layer)
             signs = self.shards.my_heads(every, axis=0)
@@ -286,6 +311,7 @@ class QuantizedKV:
             qjl,
             self._sinks,
             o.kv_key_bits,
+            o.kv_rotate == "query",
         )
 
     @property
@@ -298,6 +324,7 @@ class QuantizedKV:
         side = super().side_arrays() + [self.keys, self.values]
         side += [] if self.store is None else self.store.arrays()
         side += [] if self.slot is None else [self.slot]
+        side += [] if self.query_power is None else [self.query_power]
         return side + ([] if self.window_q is None else [self.window_q])
 
     # ---- contract -----------------------------------------------------------------
@@ -316,14 +343,22 @@ class QuantizedKV:
             st.update(self.store.state())
         if self.window_q is not None:
             st["window_q"] = self.window_q
+        if self.query_power is not None:
+            st["query_power"] = self.query_power
+            st["query_count"] = mx.array([self.query_count], dtype=mx.int32)
         return st
 
     def load_storage(self, st):
-        self.store = QuantizedStore.from_state(st, self.options.kv_group, self._sinks)
+        o = self.options
+        query_aware = o.kv_rotate == "query"
+        self.store = QuantizedStore.from_state(st, o.kv_group, self._sinks, query_aware)
         for k in [k for k in st if k.split(".")[0] in ("q", *self._part_names())]:
             st.pop(k)
         self.slot = st.pop("slot", None)
         self.window_q = st.pop("window_q", None)
+        self.query_power = st.pop("query_power", None)
+        count = st.pop("query_count", None)
+        self.query_count = 0 if count is None else int(count.item())
         super().load_storage(st)
         self.rows = self.slots if self.slot is None else self.slot.shape[-1]
 

@@ -10,7 +10,7 @@ from ..errors import OptionError
 from .options import check_choice, check_int
 
 BITS = (2, 3, 4, 8)
-ROTATIONS = (None, "hadamard")
+ROTATIONS = (None, "hadamard", "query")  # "query": keys scaled, then hadamard
 KEY_GROUPS = ("channel", "token")  # keys quantized per channel (KIVI) or per token
 GRIDS = ("minmax", "mlx", "gaussian", "mxfp4")  # quantized.py's grids
 SCALES = ("model", "float16")  # the dtype of scales and biases, or of dense rows
@@ -43,8 +43,9 @@ def check_quant(bits, group, residual, target_bits, prefix: str = "") -> None:
 
 
 def check_rotate(rotate, keys, bits, prefix: str = "") -> None:
-    """`kv_rotate`: None or "hadamard", which needs quantized rows; `kv_keys`:
-    "channel" or "token"."""
+    """`kv_rotate`: None, "hadamard" or "query" (the Hadamard rotation after
+    scaling key channels by the prompt's queries, `quantized.py`), which need
+    quantized rows; `kv_keys`: "channel" or "token"."""
     check_choice("kv_rotate", rotate, ROTATIONS)
     check_choice("kv_keys", keys, KEY_GROUPS)
     if rotate is not None and bits is None:

@@ -50,6 +50,16 @@ rotated once before the key kernel, and p . (V M) M^T gives the output: the
 store still never dequantizes, and everything outside it (scores, eviction,
 dequantized copies) sees unrotated rows.
 
+Query-aware scaling (`kv_rotate="query"`): keys are scaled per channel by s
+before the rotation, x (s * k) M, and queries by 1 / s, so q . k is unchanged.
+The rounding error of rotated keys is spread evenly over channels, while a
+logit's error weighs channel c by E[q_c^2]: s_c = (E[q_c^2] / var_c)^(1/4), var_c
+the channel's spread within its key groups, minimises E[(q . (k - k_hat))^2]
+over such scalings (Cauchy-Schwarz; with no scaling the error is
+sum(var) x sum(E q^2)). `key_scales` takes E[q_c^2] from the queries the
+cache saw before its first group was quantized (the prompt's own) and var_c
+from that group's rows; fixed from then on and saved with the state.
+
 Sinks (`sinks=N`, kivi's `kv_sinks`): the store's first N rows (the first
 tokens, where attention sinks its surplus) are held dense and unrotated ahead of
 the quantized groups. Their keys are outliers that take a group's scale, and
@@ -192,6 +202,25 @@ def rotation_signs(heads: int, dim: int, layer: int) -> mx.array:
     key = mx.random.key(0x5EED + layer)
     draw = mx.random.bernoulli(0.5, (heads, dim), key=key)
     return mx.where(draw, 1.0, -1.0).astype(mx.float32)
+
+
+def key_scales(query_power: mx.array | None, k: mx.array, group: int) -> mx.array:
+    """Per-channel key scales [B, H, D] (module doc, query-aware scaling) from
+    the mean squared query per KV head and channel, query_power [B, H, D]
+    (None: no queries seen, scales 1), and unrotated keys k [B, H, n, D], n a
+    multiple of `group`: var_c is the channel's variance within each group of
+    rows, averaged. Floors keep a silent channel finite; the scales' geometric
+    mean is 1 per head (the grid ignores a common factor)."""
+    B, H, n, D = k.shape
+    if query_power is None:
+        return mx.ones((B, H, D), dtype=mx.float32)
+    g = k.astype(mx.float32).reshape(B, H, n // group, group, D)
+    var = ((g - g.mean(3, keepdims=True)) ** 2).mean(axis=(2, 3))
+    power = query_power.astype(mx.float32)
+    var = var + 1e-6 * var.mean(-1, keepdims=True) + 1e-30
+    power = power + 1e-6 * power.mean(-1, keepdims=True) + 1e-30
+    log_s = 0.25 * (mx.log(power) - mx.log(var))
+    return mx.exp(log_s - log_s.mean(-1, keepdims=True))
 
 
 def qjl_matrix(dim: int, layer: int) -> mx.array:
@@ -412,7 +441,9 @@ class QuantizedStore:
     `arrays()` (the bytes held) leaves them out. `sinks`: the first rows held
     dense (`sink_k`, `sink_v` [B, H, <= sinks, D]), before the quantized ones.
     `key_bits`: every head's keys at this width, the values at `bits` (None:
-    keys at `bits` too)."""
+    keys at `bits` too). `query_aware`: keys scaled by `key_scale` [B, H, D]
+    before the rotation (module doc), set from `query_power` (the cache's mean
+    squared queries) when the first group is quantized."""
 
     def __init__(
         self,
@@ -425,10 +456,12 @@ class QuantizedStore:
         qjl: mx.array | None = None,
         sinks: int = 0,
         key_bits: int | None = None,
+        query_aware: bool = False,
     ):
         self.bits, self.group, self.signs, self.keys = tuple(bits), group, signs, keys
         self.grid, self.scales, self.qjl = grid, scales, qjl
         self.sinks, self.key_bits = sinks, key_bits
+        self.query_aware, self.key_scale, self.query_power = query_aware, None, None
         self.sink_k = self.sink_v = None
         self.widths = sorted(set(self.bits))
         self.heads = [
@@ -479,16 +512,37 @@ class QuantizedStore:
         if k.shape[2] == 0:
             return
         if self.signs is not None:
-            k, v = rotate(k, self.signs), rotate(v, self.signs)
+            k, v = self._keys_in(k), rotate(v, self.signs)
         for part, kh, vh in zip(self.parts, self._split(k), self._split(v)):
             part.append(kh, vh)
+
+    def _keys_in(self, k: mx.array) -> mx.array:
+        """Unrotated keys [B, H, n, D] as stored: scaled (query-aware, the
+        scales set from them when not yet), then rotated."""
+        if self.query_aware:
+            if self.key_scale is None:
+                self.key_scale = key_scales(self.query_power, k, self.group)
+                self.query_power = None
+            k = (k * self.key_scale[:, :, None, :]).astype(k.dtype)
+        return rotate(k, self.signs)
+
+    def _queries_in(self, q: mx.array) -> mx.array:
+        if self.key_scale is not None:
+            q = (q / self.key_scale[:, :, None, :]).astype(q.dtype)
+        return rotate(q, self.signs)
+
+    def _keys_out(self, k: mx.array) -> mx.array:
+        k = unrotate(k, self.signs)
+        if self.key_scale is None:
+            return k
+        return (k / self.key_scale[:, :, None, :]).astype(k.dtype)
 
     def logits(self, q: mx.array) -> mx.array:
         sink = None if self.sink_k is None else q @ self.sink_k.swapaxes(-1, -2)
         if not self.parts[0].rows:
             return sink
         if self.signs is not None:
-            q = rotate(q, self.signs)
+            q = self._queries_in(q)
         out = self._join([p.logits(qh) for p, qh in zip(self.parts, self._split(q))])
         return out if sink is None else mx.concatenate([sink, out], axis=-1)
 
@@ -511,7 +565,7 @@ class QuantizedStore:
                 self._join([v for _, v in pairs]),
             )
             if self.signs is not None:
-                keys = unrotate(keys, self.signs)
+                keys = self._keys_out(keys)
                 values = unrotate(values, self.signs)
         if self.sink_k is None:
             return keys, values
@@ -532,7 +586,7 @@ class QuantizedStore:
     def rebuild(self, k, v, exact, gid) -> None:
         self._no_sinks()
         if self.signs is not None:  # unrotated rows in, as `append` takes them
-            k, v = rotate(k, self.signs), rotate(v, self.signs)
+            k, v = self._keys_in(k), rotate(v, self.signs)
         split = zip(self.parts, *(self._split(x) for x in (k, v, exact, gid)))
         for part, kh, vh, eh, gh in split:
             part.rebuild(kh, vh, eh, gh)
@@ -567,7 +621,9 @@ class QuantizedStore:
             self.qjl,
             self.sinks,
             self.key_bits,
+            self.query_aware,
         )
+        new.key_scale, new.query_power = self.key_scale, self.query_power
         new.sink_k, new.sink_v = self.sink_k, self.sink_v
         for src, dst in zip(self.parts, new.parts):
             dst.load(src.state("p"), "p")
@@ -595,6 +651,8 @@ class QuantizedStore:
             st["q.qjl"] = self.qjl
         if self.key_bits is not None:  # absent: keys at the values' width
             st["q.key_bits"] = mx.array([self.key_bits], dtype=mx.int32)
+        if self.key_scale is not None:
+            st["q.key_scale"] = self.key_scale
         if self.sink_k is not None:
             st["q.sink_k"], st["q.sink_v"] = self.sink_k, self.sink_v
         for w, part in zip(self.widths, self.parts):
@@ -602,7 +660,9 @@ class QuantizedStore:
         return st
 
     @classmethod
-    def from_state(cls, st: dict, group: int, sinks: int = 0) -> QuantizedStore | None:
+    def from_state(
+        cls, st: dict, group: int, sinks: int = 0, query_aware: bool = False
+    ) -> QuantizedStore | None:
         if "q.bits" not in st:
             return None
         keys = "token" if "q.token_keys" in st else "channel"
@@ -623,7 +683,9 @@ class QuantizedStore:
             st.get("q.qjl"),
             sinks,
             key_bits,
+            query_aware,
         )
+        store.key_scale = st.get("q.key_scale")
         store.sink_k, store.sink_v = st.get("q.sink_k"), st.get("q.sink_v")
         if store.sink_rows > sinks:
             raise ValueError(
