@@ -412,6 +412,20 @@ def _grid_study() -> list[str]:
         "fp16 one (groups of 64) with a 64-row residual and with none; 3-bit "
         "keys and values for comparison",
         "quantizer_key_bits_licenses": "The same on the second prose",
+        "quantizer_query_calibration": "### Key channels scaled by the queries\n\n"
+        '`kv_rotate="query"`: before the rotation each key channel is scaled by '
+        "s_c = (E[q_c²] / var_c)^(1/4), E[q_c²] from the prompt's own queries "
+        "(those seen before the first group is quantized), var_c the channel's "
+        "spread within its key groups; queries are scaled by 1/s, so q·k is "
+        "unchanged. A rotation spreads the keys' rounding error evenly over "
+        "channels while a logit weighs channel c by E[q_c²]; among per-channel "
+        "scalings this one minimises the expected logit error. Where the choice "
+        "was made, the licence texts kept for calibration, against the plain "
+        "rotation at the fp16-residual layout",
+        "quantizer_query": "On the evaluation proses (run after that choice): "
+        "the default layout, the fp16-residual one (groups of 64, a 64-row "
+        "residual), 3-bit keys with no residual, and 3 bits",
+        "quantizer_query_licenses": "The same on the second prose",
     }
     out = []
     for name, lead, res in _present(intros):
@@ -477,6 +491,10 @@ def _rotated_passkey() -> list[str]:
         "table (`--seed 0`, where mlx-lm's 4-bit cache is):",
         "passkey_key_bits_seed1": "The same on the held-out cases (`--seed 1`, "
         "the cases of the held-out table above):",
+        "passkey_query": 'Key channels scaled by the queries (`kv_rotate="query"`)'
+        ", 2-bit keys and values at the default layout and at the fp16-residual "
+        "one, on the cases of the first passkey table (`--seed 0`):",
+        "passkey_query_seed1": "The same on the held-out cases (`--seed 1`):",
     }
     out = []
     for name, intro, res in _present(intros):
@@ -559,6 +577,9 @@ def _rotated_decode_alone() -> list[str]:
         "is within the spread:",
         "bench_key_bits_decode": "Keys at their own width: mlx's CPU kernel "
         "reads 3-bit codes more slowly than 2- or 4-bit ones:",
+        "bench_rotated_query_decode": "Key channels scaled by the queries "
+        '(`kv_rotate="query"`): one more scaling of each query before the key '
+        "kernel:",
     }
     out = []
     for name, why, res in _present(intros):
