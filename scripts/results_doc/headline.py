@@ -210,9 +210,37 @@ def later_bullets() -> list[str]:
         out.append(
             f'- `kv_rotate="hadamard"` (with its default sink): 2-bit KIVI KL '
             f"{' and '.join(parts)} at {ratio:.2f}x its bytes{passkey}{lean}{speed}."
-            f"{_key_bits_summary()}"
+            f"{_key_bits_summary()}{_query_summary()}"
         )
     return out
+
+
+QUERY_LEAN = "kivi:bits=2,group=64,kv_dense=float16,kv_rotate=query,residual=64"
+
+
+def _query_summary() -> str:
+    """2-bit keys and values scaled by the queries, under 0.6x mlx-lm's 4-bit
+    bytes: KL on both proses against that cache's in the same run, passkey on
+    both seeds against full."""
+    if not (rm.RESULTS / "quantizer_query.json").exists():
+        return ""
+    kls, ratio = [], None
+    for name in ("quantizer_query", "quantizer_query_licenses"):
+        if (rm.RESULTS / f"{name}.json").exists():
+            t = by_key(load(name)["table"])
+            m4 = t["mlx.quantized:kv_bits=4"]
+            kls.append(f"{t[QUERY_LEAN]['kl']:.3f} ({m4['kl']:.3f})")
+            ratio = t[QUERY_LEAN]["kv_bytes"] / m4["kv_bytes"]
+    got = []
+    for name in ("passkey_query", "passkey_query_seed1"):
+        if (rm.RESULTS / f"{name}.json").exists():
+            t = by_key(load(name)["passkey"]["table"])
+            got.append(f"{count(t[QUERY_LEAN])} ({count(t['full'])})")
+    passkey = f", passkey {' and '.join(got)}" if got else ""
+    return (
+        f' `kv_rotate="query"` (keys scaled by the queries) at {ratio:.2f}x: '
+        f"KL {' and '.join(kls)}{passkey}."
+    )
 
 
 KEY_BITS_LEAN = (

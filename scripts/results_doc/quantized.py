@@ -426,6 +426,11 @@ def _grid_study() -> list[str]:
         "the default layout, the fp16-residual one (groups of 64, a 64-row "
         "residual), 3-bit keys with no residual, and 3 bits",
         "quantizer_query_licenses": "The same on the second prose",
+        "quantizer_query_control_evaluation": "The arms the query-scaled rows "
+        "are measured against, rerun on the same segments (results of one "
+        "computation move between runs on these machines, mlx-lm's 4-bit cache "
+        "by up to 0.006): the plain rotation at both layouts and 4-bit KIVI",
+        "quantizer_query_control_licenses-evaluation": "The same on the second prose",
     }
     out = []
     for name, lead, res in _present(intros):
