@@ -70,14 +70,24 @@ class Server:
         assert len(pids) == 1, pids
         return pids[0]
 
-    def post(self, body, *, raw: bytes | None = None, path="/v1/chat/completions"):
-        """(HTTP status, body text)."""
+    def post(
+        self,
+        body,
+        *,
+        raw: bytes | None = None,
+        path="/v1/chat/completions",
+        headers_in=None,
+    ):
+        """(HTTP status, body text); `headers_in` (a threading.Event) is set once
+        the status and headers have arrived, before the body is read."""
         data = raw if raw is not None else json.dumps(body).encode()
         req = urllib.request.Request(
             self.url + path, data=data, headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
+                if headers_in is not None:
+                    headers_in.set()
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()

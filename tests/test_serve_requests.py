@@ -273,23 +273,25 @@ def test_a_client_that_leaves_stops_its_generation_and_frees_its_kv(server, stre
     assert status == 200, body
 
 
-def in_flight(server, stream, results):
-    results[stream] = server.post({**LONG, "max_tokens": 2000, "stream": stream})
+def in_flight(server, stream, results, headers_in=None):
+    body = {**LONG, "max_tokens": 2000, "stream": stream}
+    results[stream] = server.post(body, headers_in=headers_in)
 
 
 @smollm
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
 def test_a_signal_cuts_requests_in_flight_and_the_server_exits(signum):
     with running_server("--algo", "full", "--max-tokens", "4") as srv:
-        results = {}
+        results, streaming = {}, threading.Event()
         threads = [
-            threading.Thread(target=in_flight, args=(srv, stream, results))
-            for stream in (False, True)
+            threading.Thread(target=in_flight, args=(srv, False, results)),
+            threading.Thread(target=in_flight, args=(srv, True, results, streaming)),
         ]
         for t in threads:
             t.start()
         wait_for(lambda: srv.log.read_text().count("max_tokens 2000") == 2)
-        time.sleep(0.5)  # both generating
+        # the stream sends its headers once it generates (a fixed sleep raced slow CPUs)
+        assert streaming.wait(timeout=60)
         pid = srv.pid
         start = time.monotonic()
         os.kill(pid, signum)  # the server itself, as a service manager would
