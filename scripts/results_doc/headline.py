@@ -215,6 +215,25 @@ def later_bullets() -> list[str]:
     return out
 
 
+def _lean_arm(arm: str, study: str):
+    """One arm's rows in a study's KL files (quantizer_STUDY, on both proses),
+    each with mlx-lm's 4-bit cache's row of the same run, and in its passkey
+    files (passkey_STUDY, both seeds), each with full's row; None before the
+    study's first file exists."""
+    if not (rm.RESULTS / f"quantizer_{study}.json").exists():
+        return None
+    kls, passkeys = [], []
+    for name in (f"quantizer_{study}", f"quantizer_{study}_licenses"):
+        if (rm.RESULTS / f"{name}.json").exists():
+            t = by_key(load(name)["table"])
+            kls.append((t[arm], t["mlx.quantized:kv_bits=4"]))
+    for name in (f"passkey_{study}", f"passkey_{study}_seed1"):
+        if (rm.RESULTS / f"{name}.json").exists():
+            t = by_key(load(name)["passkey"]["table"])
+            passkeys.append((t[arm], t["full"]))
+    return kls, passkeys
+
+
 QUERY_LEAN = "kivi:bits=2,group=64,kv_dense=float16,kv_rotate=query,residual=64"
 
 
@@ -222,24 +241,17 @@ def _query_summary() -> str:
     """2-bit keys and values scaled by the queries, under 0.6x mlx-lm's 4-bit
     bytes: KL on both proses against that cache's in the same run, passkey on
     both seeds against full."""
-    if not (rm.RESULTS / "quantizer_query.json").exists():
+    rows = _lean_arm(QUERY_LEAN, "query")
+    if rows is None:
         return ""
-    kls, ratio = [], None
-    for name in ("quantizer_query", "quantizer_query_licenses"):
-        if (rm.RESULTS / f"{name}.json").exists():
-            t = by_key(load(name)["table"])
-            m4 = t["mlx.quantized:kv_bits=4"]
-            kls.append(f"{t[QUERY_LEAN]['kl']:.3f} ({m4['kl']:.3f})")
-            ratio = t[QUERY_LEAN]["kv_bytes"] / m4["kv_bytes"]
-    got = []
-    for name in ("passkey_query", "passkey_query_seed1"):
-        if (rm.RESULTS / f"{name}.json").exists():
-            t = by_key(load(name)["passkey"]["table"])
-            got.append(f"{count(t[QUERY_LEAN])} ({count(t['full'])})")
+    kls, passkeys = rows
+    kl = " and ".join(f"{r['kl']:.3f} ({m4['kl']:.3f})" for r, m4 in kls)
+    ratio = kls[-1][0]["kv_bytes"] / kls[-1][1]["kv_bytes"]
+    got = [f"{count(r)} ({count(full)})" for r, full in passkeys]
     passkey = f", passkey {' and '.join(got)}" if got else ""
     return (
         f' `kv_rotate="query"` (keys scaled by the queries) at {ratio:.2f}x: '
-        f"KL {' and '.join(kls)}{passkey}."
+        f"KL {kl}{passkey}."
     )
 
 
@@ -251,26 +263,18 @@ KEY_BITS_LEAN = (
 def _key_bits_summary() -> str:
     """3-bit keys with 2-bit values at about 0.6x mlx-lm's 4-bit bytes: KL on
     both proses, passkey on both seeds."""
-    if not (rm.RESULTS / "quantizer_key_bits.json").exists():
+    rows = _lean_arm(KEY_BITS_LEAN, "key_bits")
+    if rows is None:
         return ""
-    kls, ratio = [], None
-    for name in ("quantizer_key_bits", "quantizer_key_bits_licenses"):
-        if (rm.RESULTS / f"{name}.json").exists():
-            t = by_key(load(name)["table"])
-            kls.append(f"{t[KEY_BITS_LEAN]['kl']:.3f}")
-            ratio = (
-                t[KEY_BITS_LEAN]["kv_bytes"] / t["mlx.quantized:kv_bits=4"]["kv_bytes"]
-            )
-    got, mb = [], None
-    for name in ("passkey_key_bits", "passkey_key_bits_seed1"):
-        if (rm.RESULTS / f"{name}.json").exists():
-            row = by_key(load(name)["passkey"]["table"])[KEY_BITS_LEAN]
-            got.append(count(row))
-            mb = row["kv_mb"]
+    kls, passkeys = rows
+    kl = " and ".join(f"{r['kl']:.3f}" for r, _ in kls)
+    ratio = kls[-1][0]["kv_bytes"] / kls[-1][1]["kv_bytes"]
+    got = [count(r) for r, _ in passkeys]
+    mb = passkeys[-1][0]["kv_mb"] if passkeys else None
     passkey = f", passkey {' and '.join(got)} at {mb:.1f} MB" if got else ""
     return (
         f" 3-bit keys, 2-bit values, no residual (`key_bits=3`): KL "
-        f"{' and '.join(kls)} at {ratio:.3f}x its bytes{passkey}."
+        f"{kl} at {ratio:.3f}x its bytes{passkey}."
     )
 
 
