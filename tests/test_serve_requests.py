@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -295,7 +296,10 @@ def test_a_signal_cuts_requests_in_flight_and_the_server_exits(signum):
         pid = srv.pid
         start = time.monotonic()
         os.kill(pid, signum)  # the server itself, as a service manager would
-        srv.proc.wait(timeout=10)  # timeout ends when its child does
+        try:
+            srv.proc.wait(timeout=10)  # timeout ends when its child does
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server did not stop:\n" + srv.log.read_text()[-3000:])
         took = time.monotonic() - start
         for t in threads:
             t.join(timeout=10)
