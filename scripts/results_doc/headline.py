@@ -218,8 +218,9 @@ def later_bullets() -> list[str]:
 def _lean_arm(arm: str, study: str):
     """One arm's rows in a study's KL files (quantizer_STUDY, on both proses),
     each with mlx-lm's 4-bit cache's row of the same run, and in its passkey
-    files (passkey_STUDY, both seeds), each with full's row; None before the
-    study's first file exists."""
+    files (passkey_STUDY, both seeds), each with full's row, and the arm's
+    bytes over that cache's (the last KL file's); None before the study's
+    first file exists."""
     if not (rm.RESULTS / f"quantizer_{study}.json").exists():
         return None
     kls, passkeys = [], []
@@ -231,7 +232,7 @@ def _lean_arm(arm: str, study: str):
         if (rm.RESULTS / f"{name}.json").exists():
             t = by_key(load(name)["passkey"]["table"])
             passkeys.append((t[arm], t["full"]))
-    return kls, passkeys
+    return kls, kls[-1][0]["kv_bytes"] / kls[-1][1]["kv_bytes"], passkeys
 
 
 QUERY_LEAN = "kivi:bits=2,group=64,kv_dense=float16,kv_rotate=query,residual=64"
@@ -244,9 +245,8 @@ def _query_summary() -> str:
     rows = _lean_arm(QUERY_LEAN, "query")
     if rows is None:
         return ""
-    kls, passkeys = rows
+    kls, ratio, passkeys = rows
     kl = " and ".join(f"{r['kl']:.3f} ({m4['kl']:.3f})" for r, m4 in kls)
-    ratio = kls[-1][0]["kv_bytes"] / kls[-1][1]["kv_bytes"]
     got = [f"{count(r)} ({count(full)})" for r, full in passkeys]
     passkey = f", passkey {' and '.join(got)}" if got else ""
     return (
@@ -266,9 +266,8 @@ def _key_bits_summary() -> str:
     rows = _lean_arm(KEY_BITS_LEAN, "key_bits")
     if rows is None:
         return ""
-    kls, passkeys = rows
+    kls, ratio, passkeys = rows
     kl = " and ".join(f"{r['kl']:.3f}" for r, _ in kls)
-    ratio = kls[-1][0]["kv_bytes"] / kls[-1][1]["kv_bytes"]
     got = [count(r) for r, _ in passkeys]
     mb = passkeys[-1][0]["kv_mb"] if passkeys else None
     passkey = f", passkey {' and '.join(got)} at {mb:.1f} MB" if got else ""
