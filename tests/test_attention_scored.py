@@ -131,3 +131,22 @@ def test_keyformer_weights_are_tempered_gumbel_softmax():
 def test_options_validated(algo, opts, match):
     with pytest.raises(OptionError, match=match):
         ALGORITHMS[algo].Options.create(algo, opts)
+
+
+def test_softmax_is_mlx_softmax_with_masked_and_empty_rows():
+    # attention_math.softmax goes through numpy on the CPU (mlx's exp is slow
+    # there): the same probabilities as mlx's, -inf entries 0, a row with
+    # nothing visible NaN as in mlx, large logits without overflow
+    from veloxpatch.caches.attention_math import softmax
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 3, 6, 50)).astype(np.float32) * 30
+    x[rng.uniform(size=x.shape) < 0.4] = -np.inf
+    x[0, 1, 2] = -np.inf
+    got = np.array(softmax(mx.array(x)))
+    want = np.array(mx.softmax(mx.array(x), axis=-1))
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[0, 1, 2]).all()
+    assert (got[np.isneginf(x) & ~np.isnan(got)] == 0).all()
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), atol=1e-6)
+    assert softmax(mx.array(x)).dtype == mx.float32

@@ -6,6 +6,7 @@ algorithms keep."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 # float32 elements of one tile of logits (16 MiB; on SmolLM2's 9 heads, 64
 # queries against 7,281 rows): callers evaluate a tile before the next
@@ -35,7 +36,22 @@ def query_probs(q, keys, pos, qstart: int, scale):
     qpos = mx.arange(qstart, qstart + L, dtype=mx.int32)
     visible = pos[:, :, None, None, :] <= qpos[None, None, None, :, None]
     logits = mx.where(visible, logits, -mx.inf)
-    return logits, mx.softmax(logits, axis=-1)
+    return logits, softmax(logits)
+
+
+def softmax(logits: mx.array) -> mx.array:
+    """mx.softmax over the last axis of float32 logits. On the CPU through
+    numpy: mlx's CPU exp is scalar, ~25x slower than numpy's vectorised one on
+    these x86 machines (docs/results.md, "Softmax on the CPU"), and a tile's
+    softmax was most of kvzip's reconstruction."""
+    if mx.default_device().type != mx.cpu:
+        return mx.softmax(logits, axis=-1)
+    a = np.array(logits, dtype=np.float32)  # a copy, made in place below
+    with np.errstate(invalid="ignore"):  # a row with nothing visible: NaN, as mlx
+        a -= a.max(axis=-1, keepdims=True)
+        np.exp(a, out=a)
+        a /= a.sum(axis=-1, keepdims=True)
+    return mx.array(a)
 
 
 def newest_queries(buffer, q: mx.array, n: int) -> mx.array:
