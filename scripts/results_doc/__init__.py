@@ -52,6 +52,7 @@ SECTIONS = [
     quantized.decode_on_kernels,
     speed.decode_eviction,
     speed.overhead,
+    speed.softmax_cpu,
     budgets.perplexity,
     budgets.knorm_recent,
     budgets.passkey,

@@ -263,3 +263,68 @@ def overhead() -> list[str]:
         *command(f"{PY} scripts/bench_overhead.py", cfg, keys),
         "",
     ]
+
+
+SOFTMAX = "bench_softmax"
+SOFTMAX_BEFORE, SOFTMAX_AFTER = "bench_scoring_softmax_before", "bench_scoring_softmax"
+
+
+def softmax_cpu() -> list[str]:
+    res = load(SOFTMAX)
+    cfg = res["config"]
+    rows = [[r["case"], f"{r['median_ms']:.1f}"] for r in res["table"]]
+    out = [
+        "## Softmax on the CPU",
+        "",
+        "`scripts/bench_softmax.py`: mlx's CPU exp is scalar on these x86 "
+        "machines (AVX-512 present), numpy's vectorised: one tile of kvzip's "
+        f"reconstruction ({cfg['tile'][0]} queries x {cfg['tile'][1]:,} rows in "
+        "each of SmolLM2's 9 query heads), and one layer's causal attention of a "
+        f"{cfg['chunk'][0]}-token prefill chunk over {cfg['chunk'][1]:,} rows. "
+        "The scores that kvzip, H2O, TOVA, Keyformer, SnapKV's window and kvzap's "
+        "`tail` compute take their softmax from `attention_math.softmax`, which "
+        "on the CPU goes through numpy; the attention output itself stays mlx's "
+        "fused kernel, as unpatched mlx-lm's (the last rows: written out with "
+        f"numpy's exp it would be faster; not done). Median of {cfg['repeats']} "
+        "interleaved repeats.",
+        "",
+        meta(SOFTMAX, res),
+        "",
+        *table(["case", "ms"], rows),
+        "",
+        *command(f"{PY} scripts/bench_softmax.py", cfg, ["repeats", "out"]),
+        "",
+    ]
+    before, after = load(SOFTMAX_BEFORE), load(SOFTMAX_AFTER)
+    old = {(r["arm"], r["context"]): r for r in before["table"]}
+    rows = []
+    for r in after["table"]:
+        o = old.get((r["arm"], r["context"]))
+        if o is None:
+            continue
+        rows.append(
+            [
+                f"`{r['arm']}`",
+                f"{r['context']:,}",
+                f"{o['prefill_tok_per_s']:.1f} ({o['prefill_ratio']:.2f}x)",
+                f"{r['prefill_tok_per_s']:.1f} ({r['prefill_ratio']:.2f}x)",
+            ]
+        )
+    cfg = after["config"]
+    keys = ["arms", "budgets", "contexts", "repeats", "decode_tokens"]
+    keys.append("prefill_step_size")
+    return out + [
+        "`veloxpatch bench` before (numpy's exp not used) and after, the same "
+        "command; prefill tok/s through mlx-lm's generate_step to the first token "
+        "and, in brackets, the median ratio to unpatched mlx-lm in the same run "
+        "(`kvzip` reconstructs the prompt inside it).",
+        "",
+        meta(SOFTMAX_BEFORE, before),
+        "",
+        meta(SOFTMAX_AFTER, after),
+        "",
+        *table(["arm", "context", "before", "after"], rows),
+        "",
+        *command("veloxpatch bench", cfg, keys),
+        "",
+    ]
