@@ -9,6 +9,7 @@ from results_markdown import command, grid, load, meta, table, wilson
 
 from .agnostic import KEYS as AGNOSTIC_KEYS
 from .continuation import KEYS as KL_KEYS
+from .speed import BENCH_CLI_KEYS
 
 KEYS = [*AGNOSTIC_KEYS, "text"]
 
@@ -472,8 +473,6 @@ def kvzap() -> list[str]:
                 for r in res["table"]
             ],
         )
-        keys = ["arms", "budgets", "contexts", "repeats", "decode_tokens"]
-        keys += ["prefill_step_size"]
         parts += [
             intro,
             "",
@@ -481,7 +480,7 @@ def kvzap() -> list[str]:
             "",
             *body,
             "",
-            *command("veloxpatch bench", res["config"], keys),
+            *command("veloxpatch bench", res["config"], BENCH_CLI_KEYS),
             "",
         ]
     if not parts:

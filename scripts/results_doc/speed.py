@@ -265,6 +265,15 @@ def overhead() -> list[str]:
     ]
 
 
+# the options of a `veloxpatch bench` results file its command is rebuilt from
+BENCH_CLI_KEYS = [
+    "arms",
+    "budgets",
+    "contexts",
+    "repeats",
+    "decode_tokens",
+    "prefill_step_size",
+]
 SOFTMAX = "bench_softmax"
 SOFTMAX_BEFORE, SOFTMAX_AFTER = "bench_scoring_softmax_before", "bench_scoring_softmax"
 
@@ -310,9 +319,6 @@ def softmax_cpu() -> list[str]:
                 f"{r['prefill_tok_per_s']:.1f} ({r['prefill_ratio']:.2f}x)",
             ]
         )
-    cfg = after["config"]
-    keys = ["arms", "budgets", "contexts", "repeats", "decode_tokens"]
-    keys.append("prefill_step_size")
     return out + [
         "`veloxpatch bench` before (numpy's exp not used) and after, the same "
         "command; prefill tok/s through mlx-lm's generate_step to the first token "
@@ -325,6 +331,6 @@ def softmax_cpu() -> list[str]:
         "",
         *table(["arm", "context", "before", "after"], rows),
         "",
-        *command("veloxpatch bench", cfg, keys),
+        *command("veloxpatch bench", after["config"], BENCH_CLI_KEYS),
         "",
     ]
