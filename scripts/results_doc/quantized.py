@@ -502,14 +502,17 @@ def _rotated_passkey() -> list[str]:
         ", 2-bit keys and values at the default layout and at the fp16-residual "
         "one, on the cases of the first passkey table (`--seed 0`):",
         "passkey_query_seed1": "The same on the held-out cases (`--seed 1`):",
+        "passkey_rotated_seed2": "Twenty more held-out cases (`--seed 2`, then "
+        "`--seed 3`: contexts, depths and numbers no choice above saw), full, "
+        "both rotations at 2 bits and mlx-lm's 4-bit cache in one run each:",
+        "passkey_rotated_seed3": "",
     }
     out = []
     for name, intro, res in _present(intros):
         rows = res["passkey"]["table"]
         keys = ["arms", "tasks", "protocol", "context", "cases", "seed", "out"]
         out += [
-            intro,
-            "",
+            *([intro, ""] if intro else []),
             meta(name, res),
             "",
             *table(
@@ -520,7 +523,48 @@ def _rotated_passkey() -> list[str]:
             *command("veloxpatch eval", res["config"], keys),
             "",
         ]
-    return out
+    return out + _rotated_passkey_pooled()
+
+
+POOLED_SEEDS = ("passkey_query", "passkey_query_seed1")
+POOLED_SEEDS += ("passkey_rotated_seed2", "passkey_rotated_seed3")
+
+
+def _rotated_passkey_pooled() -> list[str]:
+    """Each arm's answers summed over the four seeds' runs that hold it: the
+    2-bit rows against full on 80 answers rather than 20."""
+    from veloxpatch.eval.passkey import wilson as interval
+
+    runs = [load(n) for n in POOLED_SEEDS if (rm.RESULTS / f"{n}.json").exists()]
+    if len(runs) < len(POOLED_SEEDS):
+        return []
+    totals: dict[str, list[int]] = {}
+    wrong: dict[str, list[str]] = {}
+    for res in runs:
+        for r in res["passkey"]["raw"]:
+            if not r["correct"]:
+                said = " ".join(r["answer"].split())[:24]
+                wrong.setdefault(r["arm"], []).append(f"{r['key']} → “{said}”")
+        for r in res["passkey"]["table"]:
+            t = totals.setdefault(r["arm"], [0, 0, 0])
+            t[0] += r["correct"]
+            t[1] += r["cases"]
+            t[2] += 1
+    body = []
+    for arm, (ok, n, seen) in totals.items():
+        lo, hi = interval(ok, n)
+        body.append([f"`{arm}`", f"{ok}/{n} [{lo:.2f}, {hi:.2f}]", str(seen)])
+    names = ", ".join(f"`{n}`" for n in POOLED_SEEDS)
+    return [
+        f"All four seeds together ({names}; an arm counts in the runs that hold it):",
+        "",
+        *table(["arm", "answers", "runs"], body),
+        "",
+        "The wrong answers (number → what the model said):",
+        "",
+        *[f"- `{arm}`: {'; '.join(said)}" for arm, said in wrong.items()],
+        "",
+    ]
 
 
 def _rotated_speed() -> list[str]:
