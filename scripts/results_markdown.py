@@ -152,14 +152,26 @@ def meta(name: str, res: dict) -> str:
     return "Run: " + " · ".join(parts) + "."
 
 
+def unread_eval_options(cfg: dict) -> set[str]:
+    """`veloxpatch eval` options that none of a run's tasks reads: results record
+    every option, but the CLI refuses one typed for a task not asked for."""
+    from veloxpatch.eval.tasks import TASKS
+
+    asked = [t.strip() for t in str(cfg.get("tasks", "")).split(",")]
+    read = {o for t in asked if t in TASKS for o in TASKS[t].options()}
+    return {o for task in TASKS.values() for o in task.options()} - read
+
+
 def command(prog: str, cfg: dict, keys: list[str], rename=None, keep=()) -> list[str]:
     """The command that wrote a results file, rebuilt from its recorded config
-    (keys it did not record, None, and empty strings not in `keep` are left out)."""
+    (keys it did not record, None, empty strings not in `keep`, and eval
+    options its tasks do not read are left out)."""
     rename = rename or {}
+    unread = unread_eval_options(cfg) if prog == "veloxpatch eval" else set()
     args = []
-    for key in keys:
+    for key in dict.fromkeys(keys):
         value = cfg.get(key)
-        if value is None or (value == "" and key not in keep):
+        if value is None or (value == "" and key not in keep) or key in unread:
             continue
         flag = "--" + rename.get(key, key).replace("_", "-")
         if value is True:
