@@ -398,6 +398,15 @@ def kvzap() -> list[str]:
             [*KL_KEYS, "text"],
         ),
         (
+            "ppl_kvzap_tail_128",
+            "A longer `tail` (128 queries) on a third text, the licence texts' "
+            "calibration split, which no kvzap default was chosen on, with "
+            "`snapkv` and `kvzip` in the same run: a longer tail is worse there "
+            "(0.141 against 0.119 at 32), so it was not tried on the "
+            "evaluation proses:",
+            [*KL_KEYS, "text"],
+        ),
+        (
             KL_39K,
             "The evaluation prose's segments with the surrogates fitted on "
             "39,936 tokens (kvzip's 0.059 as above):",
