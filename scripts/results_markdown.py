@@ -169,7 +169,7 @@ def command(prog: str, cfg: dict, keys: list[str], rename=None, keep=()) -> list
     rename = rename or {}
     unread = unread_eval_options(cfg) if prog == "veloxpatch eval" else set()
     args = []
-    for key in dict.fromkeys(keys):
+    for key in keys:
         value = cfg.get(key)
         if value is None or (value == "" and key not in keep) or key in unread:
             continue

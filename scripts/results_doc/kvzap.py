@@ -360,7 +360,7 @@ def kvzap() -> list[str]:
             "(`floor=0`), to see where kvzap's continuation lost to kvzip's: "
             "the KL rose once the first `window` generated tokens were cut "
             "(its profile by position is in the file):",
-            [*KL_KEYS, "text"],
+            KL_KEYS,
         ),
         (
             KL_DECODE,
@@ -376,7 +376,7 @@ def kvzap() -> list[str]:
             KL_DECODE_LICENSES,
             "The same on the second prose (kvzip's 0.147 there is in the "
             "previous licence-text table):",
-            [*KL_KEYS, "text"],
+            KL_KEYS,
         ),
         (
             "ppl_kvzap_decode_mlp",
@@ -395,7 +395,7 @@ def kvzap() -> list[str]:
         (
             KL_TAIL_LICENSES,
             "The second prose with `tail` (kvzip's 0.147 as above):",
-            [*KL_KEYS, "text"],
+            KL_KEYS,
         ),
         (
             "ppl_kvzap_tail_128",
@@ -404,7 +404,7 @@ def kvzap() -> list[str]:
             "`snapkv` and `kvzip` in the same run: a longer tail is worse there "
             "(0.141 against 0.119 at 32), so it was not tried on the "
             "evaluation proses:",
-            [*KL_KEYS, "text"],
+            KL_KEYS,
         ),
         (
             KL_39K,
@@ -415,7 +415,7 @@ def kvzap() -> list[str]:
         (
             KL_39K_LICENSES,
             "The same on the second prose (kvzip's 0.147 as above):",
-            [*KL_KEYS, "text"],
+            KL_KEYS,
         ),
         (
             KL_MLP_39K,
@@ -438,7 +438,7 @@ def kvzap() -> list[str]:
             "kvzip's decode also brings every layer back to `budget` at its "
             "first cut; tried for kvzap on the second prose (made at e784857, "
             "then reverted: each layer keeps its share):",
-            [*KL_KEYS, "text"],
+            KL_KEYS,
         ),
     ]
     for name, intro, keys in kl_runs:

@@ -535,7 +535,7 @@ def _rotated_passkey_pooled() -> list[str]:
     2-bit rows against full on 80 answers rather than 20."""
     from veloxpatch.eval.passkey import wilson as interval
 
-    runs = [load(n) for n in POOLED_SEEDS if (rm.RESULTS / f"{n}.json").exists()]
+    runs = [res for _, _, res in _present(dict.fromkeys(POOLED_SEEDS, ""))]
     if len(runs) < len(POOLED_SEEDS):
         return []
     totals: dict[str, list[int]] = {}
