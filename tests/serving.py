@@ -33,6 +33,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after "pid (comm)": state, parent, group, ..."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of a process group. Zombies are done: they
     wait for a parent (here possibly a PID 1 that never reaps) to collect
@@ -45,14 +58,8 @@ def group_members(pgid: int) -> list[int]:
             return []
     members = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)"
-        if fields[0] != "Z" and int(fields[2]) == pgid:
+        fields = _stat(int(entry)) if entry.isdigit() else None
+        if fields and fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(int(entry))
     return members
 
@@ -65,8 +72,16 @@ class Server:
 
     @property
     def pid(self) -> int:
-        """The server's own process (timeout's child)."""
-        pids = [p for p in group_members(self.proc.pid) if p != self.proc.pid]
+        """The server's own process: timeout's child. The group may hold more
+        (mlx's CPU compiler runs `sh -c "g++ --version"` on a first compile)."""
+        leader = self.proc.pid
+        if os.path.isdir("/proc"):
+            pids = [p for p in group_members(leader) if _parent(p) == leader]
+        else:  # macOS
+            out = subprocess.run(
+                ["pgrep", "-P", str(leader)], capture_output=True, text=True
+            )
+            pids = [int(p) for p in out.stdout.split()]
         assert len(pids) == 1, pids
         return pids[0]
 

@@ -313,7 +313,9 @@ def test_a_signal_cuts_requests_in_flight_and_the_server_exits(signum):
         last = [x for x in body.splitlines() if x.startswith("data: ")][-1]
         assert "server shutting down" in json.loads(last[6:])["error"]["message"]
         assert "[DONE]" not in body
-        assert group_members(srv.proc.pid) == []
+        assert pid not in group_members(srv.proc.pid)
+        # a kernel compile (g++) the server started may outlive it by a moment
+        wait_for(lambda: group_members(srv.proc.pid) == [])
 
 
 @smollm
