@@ -218,7 +218,7 @@ def later_bullets() -> list[str]:
 def _lean_arm(arm: str, study: str):
     """One arm's rows in a study's KL files (quantizer_STUDY, on both proses),
     each with mlx-lm's 4-bit cache's row of the same run, and in its passkey
-    files (passkey_STUDY, both seeds), each with full's row, and the arm's
+    files (passkey_STUDY, seeds 0 to 3), each with full's row, and the arm's
     bytes over that cache's (the last KL file's); None before the study's
     first file exists."""
     if not (rm.RESULTS / f"quantizer_{study}.json").exists():
@@ -228,7 +228,8 @@ def _lean_arm(arm: str, study: str):
         if (rm.RESULTS / f"{name}.json").exists():
             t = by_key(load(name)["table"])
             kls.append((t[arm], t["mlx.quantized:kv_bits=4"]))
-    for name in (f"passkey_{study}", f"passkey_{study}_seed1"):
+    seeds = ("", "_seed1", "_seed2", "_seed3")
+    for name in (f"passkey_{study}{seed}" for seed in seeds):
         if (rm.RESULTS / f"{name}.json").exists():
             t = by_key(load(name)["passkey"]["table"])
             passkeys.append((t[arm], t["full"]))
@@ -262,15 +263,21 @@ KEY_BITS_LEAN = (
 
 def _key_bits_summary() -> str:
     """3-bit keys with 2-bit values at about 0.6x mlx-lm's 4-bit bytes: KL on
-    both proses, passkey on both seeds."""
+    both proses, passkey summed over the seeds run."""
     rows = _lean_arm(KEY_BITS_LEAN, "key_bits")
     if rows is None:
         return ""
     kls, ratio, passkeys = rows
     kl = " and ".join(f"{r['kl']:.3f}" for r, _ in kls)
-    got = [count(r) for r, _ in passkeys]
+    ok, n = sum(r["correct"] for r, _ in passkeys), sum(r["cases"] for r, _ in passkeys)
+    full = sum(f["correct"] for _, f in passkeys)
     mb = passkeys[-1][0]["kv_mb"] if passkeys else None
-    passkey = f", passkey {' and '.join(got)} at {mb:.1f} MB" if got else ""
+    passkey = (
+        f", passkey {ok}/{n} over {len(passkeys)} seeds (full {full}/{n}) at "
+        f"{mb:.1f} MB"
+        if passkeys
+        else ""
+    )
     return (
         f" 3-bit keys, 2-bit values, no residual (`key_bits=3`): KL "
         f"{kl} at {ratio:.3f}x its bytes{passkey}."

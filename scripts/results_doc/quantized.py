@@ -498,6 +498,10 @@ def _rotated_passkey() -> list[str]:
         "table (`--seed 0`, where mlx-lm's 4-bit cache is):",
         "passkey_key_bits_seed1": "The same on the held-out cases (`--seed 1`, "
         "the cases of the held-out table above):",
+        "passkey_key_bits_seed2": "The same on the cases of `--seed 2`, then "
+        "`--seed 3` (the twenty-case tables below; run after `key_bits` and its "
+        "lean layout were chosen):",
+        "passkey_key_bits_seed3": "",
         "passkey_query": 'Key channels scaled by the queries (`kv_rotate="query"`)'
         ", 2-bit keys and values at the default layout and at the fp16-residual "
         "one, on the cases of the first passkey table (`--seed 0`):",
@@ -528,11 +532,14 @@ def _rotated_passkey() -> list[str]:
 
 POOLED_SEEDS = ("passkey_query", "passkey_query_seed1")
 POOLED_SEEDS += ("passkey_rotated_seed2", "passkey_rotated_seed3")
+POOLED_SEEDS += ("passkey_key_bits", "passkey_key_bits_seed1")
+POOLED_SEEDS += ("passkey_key_bits_seed2", "passkey_key_bits_seed3")
 
 
 def _rotated_passkey_pooled() -> list[str]:
     """Each arm's answers summed over the four seeds' runs that hold it: the
-    2-bit rows against full on 80 answers rather than 20."""
+    2-bit rows against full on 80 answers rather than 20. An arm in two runs of
+    one seed (full) counts once: the same cases."""
     from veloxpatch.eval.passkey import wilson as interval
 
     runs = [res for _, _, res in _present(dict.fromkeys(POOLED_SEEDS, ""))]
@@ -540,12 +547,18 @@ def _rotated_passkey_pooled() -> list[str]:
         return []
     totals: dict[str, list[int]] = {}
     wrong: dict[str, list[str]] = {}
+    counted: set[tuple[str, int]] = set()
     for res in runs:
+        seed = res["config"]["seed"]
+        arms = {r["arm"] for r in res["passkey"]["table"]} - {
+            arm for arm, s in counted if s == seed
+        }
+        counted |= {(arm, seed) for arm in arms}
         for r in res["passkey"]["raw"]:
-            if not r["correct"]:
+            if r["arm"] in arms and not r["correct"]:
                 said = " ".join(r["answer"].split())[:24]
                 wrong.setdefault(r["arm"], []).append(f"{r['key']} → “{said}”")
-        for r in res["passkey"]["table"]:
+        for r in (r for r in res["passkey"]["table"] if r["arm"] in arms):
             t = totals.setdefault(r["arm"], [0, 0, 0])
             t[0] += r["correct"]
             t[1] += r["cases"]
@@ -556,7 +569,8 @@ def _rotated_passkey_pooled() -> list[str]:
         body.append([f"`{arm}`", f"{ok}/{n} [{lo:.2f}, {hi:.2f}]", str(seen)])
     names = ", ".join(f"`{n}`" for n in POOLED_SEEDS)
     return [
-        f"All four seeds together ({names}; an arm counts in the runs that hold it):",
+        f"All four seeds together ({names}; an arm counts once a seed, in the "
+        "runs that hold it):",
         "",
         *table(["arm", "answers", "runs"], body),
         "",
