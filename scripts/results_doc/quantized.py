@@ -549,16 +549,14 @@ def _rotated_passkey_pooled() -> list[str]:
     wrong: dict[str, list[str]] = {}
     counted: set[tuple[str, int]] = set()
     for res in runs:
-        seed = res["config"]["seed"]
-        arms = {r["arm"] for r in res["passkey"]["table"]} - {
-            arm for arm, s in counted if s == seed
-        }
+        seed, rows = res["config"]["seed"], res["passkey"]["table"]
+        arms = {r["arm"] for r in rows if (r["arm"], seed) not in counted}
         counted |= {(arm, seed) for arm in arms}
         for r in res["passkey"]["raw"]:
             if r["arm"] in arms and not r["correct"]:
                 said = " ".join(r["answer"].split())[:24]
                 wrong.setdefault(r["arm"], []).append(f"{r['key']} → “{said}”")
-        for r in (r for r in res["passkey"]["table"] if r["arm"] in arms):
+        for r in (r for r in rows if r["arm"] in arms):
             t = totals.setdefault(r["arm"], [0, 0, 0])
             t[0] += r["correct"]
             t[1] += r["cases"]
