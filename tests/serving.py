@@ -73,7 +73,7 @@ class Server:
     @property
     def pid(self) -> int:
         """The server's own process: timeout's child. The group may hold more
-        (mlx's CPU compiler runs `sh -c "g++ --version"` on a first compile)."""
+        (with a cold kernel cache, mlx's CPU backend runs g++ to compile one)."""
         leader = self.proc.pid
         if os.path.isdir("/proc"):
             pids = [p for p in group_members(leader) if _parent(p) == leader]
