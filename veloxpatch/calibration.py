@@ -78,12 +78,14 @@ def calibrate(
     codebook_size=4096,
     far_position=2048,
     kind="linear",
+    target="kvzip+",
 ):
     """Calibrate `algo` on `tokens` tokens of calibration prose (the half never
     used for evaluation, or a file), written to `out` with the model's
     fingerprint when given. qfilters: per layer [Hq, D] query-head filters and
     the queries; a2ats: per layer codebooks and the captured (keys, queries);
-    kvzap: per layer surrogates of `kind` and their held-out report."""
+    kvzap: per layer surrogates of `kind` predicting `target` scores, and
+    their held-out report."""
     from .eval.text import prose_tokens
 
     check_algo(algo)
@@ -94,10 +96,10 @@ def calibrate(
         from .kvzap_scorer import calibrate_scorer
 
         layers, report = calibrate_scorer(
-            model, tokenizer, ids, kind, seed=seed, tick=tick
+            model, tokenizer, ids, kind, seed=seed, tick=tick, target=target
         )
         if out is not None:
-            save_scorer(out, layers, model, kind, info | report)
+            save_scorer(out, layers, model, kind, info | report, target=target)
         return layers, report
     if algo == "a2ats":
         from .calibration_files import save_codebook

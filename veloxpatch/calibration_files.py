@@ -83,17 +83,17 @@ def save_codebook(path, books: list, model, far_position: int, info=None):
     _write(path, arrays, model, CODEBOOK_FORMAT, "a2ats", info, far_position=far)
 
 
-def save_scorer(path, layers: list, model, kind: str, info=None):
+def save_scorer(path, layers: list, model, kind: str, info=None, target="kvzip+"):
     """Write per-layer kvzap surrogates ({w1, b1[, w2, b2]}, None for
-    sliding-window layers) of `kind` ("linear" or "mlp") with the model's
-    fingerprint."""
+    sliding-window layers) of `kind` ("linear" or "mlp"), predicting `target`
+    scores ("kvzip+" or "kvzip"), with the model's fingerprint."""
     arrays = {
         f"layer.{i}.{k}": v.astype(mx.float32)
         for i, w in enumerate(layers)
         if w is not None
         for k, v in w.items()
     }
-    _write(path, arrays, model, KVZAP_FORMAT, "kvzap", info, kind=kind)
+    _write(path, arrays, model, KVZAP_FORMAT, "kvzap", info, kind=kind, target=target)
 
 
 def load_scorer(path, model, dims=None) -> list:

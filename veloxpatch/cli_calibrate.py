@@ -63,9 +63,26 @@ DEFAULT_TOKENS = {"kvzap": 16384}
     show_default=True,
     help="kvzap: ridge regression or a 2-layer MLP per layer",
 )
+@click.option(
+    "--target",
+    type=click.Choice(["kvzip+", "kvzip"]),
+    default="kvzip+",
+    show_default=True,
+    help="kvzap: the scores its surrogates predict, KVzip+ (KVzap's) or KVzip's",
+)
 @user_errors
 def calibrate(
-    model, algo, out, force, tokens, text, seed, codebook_size, far_position, kind
+    model,
+    algo,
+    out,
+    force,
+    tokens,
+    text,
+    seed,
+    codebook_size,
+    far_position,
+    kind,
+    target,
 ):
     """Calibrate ALGO (qfilters, a2ats, kvzap) on the model's own queries or
     KVzip+ scores; save to OUT."""
@@ -93,7 +110,8 @@ def calibrate(
         ctx = click.get_current_context()
         refuse_unread(ctx, ("codebook_size", "far_position"), f"for a2ats, not {algo}")
     if algo != "kvzap":
-        refuse_unread(click.get_current_context(), ("kind",), f"for kvzap, not {algo}")
+        ctx = click.get_current_context()
+        refuse_unread(ctx, ("kind", "target"), f"for kvzap, not {algo}")
     elif tokens < 256:
         raise UserError(
             f"--tokens must be at least 256 for kvzap (two segments of text, one "
@@ -117,14 +135,16 @@ def calibrate(
             codebook_size=codebook_size,
             far_position=far_position,
             kind=kind,
+            target=target,
         )
     if algo == "kvzap":
+        r = queries
         click.echo(
-            f"wrote {out}: {kind} surrogates of {queries['segments']} segments of "
-            f"{queries['segment_tokens']} tokens ({queries['held_out_segments']} "
-            f"held out: mean R^2 {queries['mean_r2']:.3f}, rank correlation "
-            f"{queries['mean_spearman']:.3f}); scoring {queries['scoring_seconds']} s, "
-            f"fit {queries['fit_seconds']} s"
+            f"wrote {out}: {kind} surrogates of {target} scores, from "
+            f"{r['segments']} segments of {r['segment_tokens']} tokens "
+            f"({r['held_out_segments']} held out: mean R^2 {r['mean_r2']:.3f}, "
+            f"rank correlation {r['mean_spearman']:.3f}); scoring "
+            f"{r['scoring_seconds']} s, fit {r['fit_seconds']} s"
         )
         return
     # sliding-window layers keep mlx-lm's cache: nothing calibrated there

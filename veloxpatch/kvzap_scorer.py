@@ -1,5 +1,7 @@
 """kvzap's calibration: the model's own KVzip+ scores of calibration text, and
 the per-layer surrogates fitted to them (KVzap, Jegou et al. 2026).
+`target="kvzip"` fits KVzip's own scores instead (the maximum repeat
+probability, without KVzip+'s ||W_o v|| / ||x|| weights).
 
 The text is cut into segments (about 1,000 tokens, as KVzap's training texts,
 so softmax denominators stay comparable). Each segment is prefilled into
@@ -27,6 +29,7 @@ from .errors import CalibrationError
 SEGMENT = 1024  # tokens per calibration text
 PER_SEGMENT = 512  # positions sampled per segment
 SINKS = 4  # positions never sampled: kvzap keeps its sinks anyway
+TARGETS = ("kvzip+", "kvzip")  # the scores a surrogate predicts (the first: KVzap's)
 LOG_FLOOR = 1e-12  # scores that underflow to 0 are clipped before the log
 RIDGES = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)  # relative strengths
 MLP_HIDDEN = 128
@@ -60,10 +63,11 @@ def collect(
     seed=0,
     chunk=512,
     tick=None,
+    target="kvzip+",
 ):
     """Per segment (X, Y): per layer X [n, hidden] hidden states entering
-    attention and Y [n, Hkv] log KVzip+ scores at n sampled positions (None
-    for sliding-window layers)."""
+    attention and Y [n, Hkv] log `target` scores (KVzip+ or KVzip) at n
+    sampled positions (None for sliding-window layers)."""
     from . import api
     from .caches.kvzip import KVzipCache
     from .probe import rows_at
@@ -72,7 +76,8 @@ def collect(
         raise CalibrationError("kvzap calibration patches the model itself; restore it")
     rng = np.random.default_rng(seed)
     out = []
-    with api.patched(model, "kvzip", plus=True, budget=SINKS + 1) as patch:
+    plus = target == "kvzip+"
+    with api.patched(model, "kvzip", plus=plus, budget=SINKS + 1) as patch:
         for a, b in segments_of(len(ids), segment):
             seg = list(ids[a:b])
             n = min(per_segment, len(seg) - SINKS)
@@ -252,15 +257,27 @@ def fit_layers(data, fit) -> tuple[list, list]:
 
 
 def calibrate_scorer(
-    model, tokenizer, ids, kind="linear", *, seed=0, tick=None, segment=SEGMENT
+    model,
+    tokenizer,
+    ids,
+    kind="linear",
+    *,
+    seed=0,
+    tick=None,
+    segment=SEGMENT,
+    target="kvzip+",
 ):
     """(per layer surrogate weights as mlx arrays, None for sliding-window
-    layers; report) from KVzip+ scores of `ids`, fitted on the segments not
+    layers; report) from `target` scores of `ids`, fitted on the segments not
     held out, judged on those held out."""
     if kind not in ("linear", "mlp"):
         raise CalibrationError(f"kvzap surrogates are linear or mlp, not {kind!r}")
+    if target not in TARGETS:
+        raise CalibrationError(f"kvzap surrogates predict {TARGETS}, not {target!r}")
     start = time.perf_counter()
-    data = collect(model, tokenizer, ids, segment=segment, seed=seed, tick=tick)
+    data = collect(
+        model, tokenizer, ids, segment=segment, seed=seed, tick=tick, target=target
+    )
     scored = time.perf_counter() - start
     mask = held_out(len(data))
     fit = fit_ridge if kind == "linear" else (lambda X, Y: fit_mlp(X, Y, seed=seed))
@@ -272,6 +289,7 @@ def calibrate_scorer(
     quality = [r for r in report if r is not None]
     info = {
         "kind": kind,
+        "target": target,
         "segments": len(data),
         "segment_tokens": segments_of(len(ids), segment)[0][1],
         "held_out_segments": int(sum(mask)),
