@@ -96,6 +96,8 @@ BEFORE_LOAD = [
         "far_position must be >= 0 and <= 2147483647, got -1",
     ),
     (f"{CAL} --codebook-size 256", "--codebook-size is for a2ats, not qfilters"),
+    (f"{CAL} --target kvzip", "--target is for kvzap, not qfilters"),
+    (f"{CAL} --algo kvzap --target plus", "Invalid value for '--target'"),
     ("eval --arms snapkv --out adir", "--out names a directory: adir"),
     (
         "eval --arms snapkv --out /missing_dir/r.json",

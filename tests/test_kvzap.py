@@ -314,3 +314,69 @@ def test_decode_option_and_the_prompt_cache_policy_it_implies():
     assert policy(KVzapOptions()) == "prompt"  # the answer's queries cut rows
     assert policy(KVzapOptions(decode="surrogate")) == "as_is"
     assert policy(KVzapOptions(threshold=0.0)) == "as_is"
+
+
+# ---- surrogates of KVzip's own scores ------------------------------------------------
+def test_a_kvzip_target_fits_kvzips_own_scores_and_the_file_says_so(tmp_path):
+    """`target="kvzip"`: the collected targets are log KVzip scores (the
+    maximum repeat probability, so never above 0), not KVzip+'s; the file
+    carries the target, an unknown one is refused as damaged."""
+    from veloxpatch.kvzap_scorer import collect
+
+    model = tiny_model("llama")
+    ids = prompt_tokens(200).tolist()
+    plain = collect(model, ByteTokenizer(), ids, segment=100, target="kvzip")
+    plus = collect(model, ByteTokenizer(), ids, segment=100)
+    for (_, y_plain), (_, y_plus) in zip(plain, plus):
+        assert all((y <= 1e-6).all() for y in y_plain)
+        assert not np.allclose(y_plain[0], y_plus[0])
+    layers, info = calibrate_scorer(
+        model, ByteTokenizer(), ids, "linear", segment=100, target="kvzip"
+    )
+    assert info["target"] == "kvzip"
+    path = tmp_path / "plain.safetensors"
+    save_scorer(path, layers, model, "linear", info, target="kvzip")
+    assert load_scorer(path, model).target == "kvzip"
+    assert load_scorer(tiny_scorer(model), model).target == "kvzip+"
+    save_scorer(path, layers, model, "linear", info, target="kvzip++")
+    with pytest.raises(CalibrationError, match="damaged, surrogate target"):
+        veloxpatch.apply(model, "kvzap", scorer=str(path))
+    assert veloxpatch.api.patch_of(model) is None
+    with pytest.raises(CalibrationError, match="not 'plus'"):
+        calibrate_scorer(model, ByteTokenizer(), ids, target="plus")
+
+
+@pytest.mark.parametrize("target", ["kvzip", "kvzip+"])
+def test_tail_queries_are_weighed_as_the_scores_the_surrogate_predicts(
+    tmp_path, target
+):
+    """With a KVzip-target scorer the tail raises a row to its largest
+    probability under the tail queries and the GQA group (a numpy softmax for
+    reference), as kvzip's; with a KVzip+ one to KVzip+'s weights (not that)."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    layers = load_scorer(tiny_scorer(model), model)
+    path = tmp_path / "s.safetensors"
+    save_scorer(path, list(layers), model, "linear", target=target)
+    ids = prompt_tokens(30).tolist()
+    opts = dict(scorer=str(path), budget=100, sinks=2, tail=4, window=4)
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        caches = patch.make_cache()
+        model(mx.array(ids)[None], cache=caches)  # the prompt is not ended
+        for c in caches:
+            q = np.array(c.tail_queries, dtype=np.float64)  # [1, Hq, 4, D]
+            keys = np.array(c._view()[0], dtype=np.float64)[0]  # [Hkv, T, D]
+            Hkv, T = keys.shape[:2]
+            G = q.shape[1] // Hkv
+            logits = (
+                np.einsum("hgnd,htd->hgnt", q[0].reshape(Hkv, G, 4, -1), keys) * c.scale
+            )
+            logits = np.where(
+                np.arange(T) <= np.arange(T - 4, T)[:, None], logits, -np.inf
+            )
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            want = np.log(p.max(axis=(1, 2)))  # [Hkv, T]
+            c.raise_tail_scores()
+            got = np.array(c.tail_scores[0])
+            close = np.allclose(got, want, atol=1e-4)
+            assert close if target == "kvzip" else not close

@@ -21,7 +21,10 @@ def scorer(tmp_path_factory):
     args = ["calibrate", "--algo", "kvzap", "--tokens", "512", "--out", str(path)]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
-    assert "linear surrogates of 2 segments of 256 tokens (1 held out" in res.output
+    assert (
+        "linear surrogates of kvzip+ scores, from 2 segments of 256 tokens (1 held out"
+        in res.output
+    )
     return str(path)
 
 

@@ -96,7 +96,7 @@ def save_scorer(path, layers: list, model, kind: str, info=None, target="kvzip+"
     _write(path, arrays, model, KVZAP_FORMAT, "kvzap", info, kind=kind, target=target)
 
 
-def load_scorer(path, model, dims=None) -> list:
+def load_scorer(path, model, dims=None) -> calibration_format.Surrogates:
     """kvzap surrogates of `path` checked against `model`."""
     from .caches.kvzap import hidden_size
 

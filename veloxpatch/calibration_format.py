@@ -26,6 +26,7 @@ QFILTERS_FORMAT = "veloxpatch-qfilters/1"
 CODEBOOK_FORMAT = "veloxpatch-a2ats/1"
 KVZAP_FORMAT = "veloxpatch-kvzap/1"
 SCORER_KINDS = ("linear", "mlp")
+SCORER_TARGETS = ("kvzip+", "kvzip")  # what a surrogate predicts (absent: kvzip+)
 RIDGE = 1e-3  # A2ATS: H is regularised by RIDGE x I (relative to trace D)
 
 
@@ -194,7 +195,16 @@ def _book_fault(book: dict, kv_heads: int, head_dim: int) -> str | None:
     return None
 
 
-def load_scorer(path, dims, hidden: int | None = None) -> list:
+class Surrogates(list):
+    """kvzap's surrogates layer by layer, and the scores they predict
+    (`target`: "kvzip+" or "kvzip")."""
+
+    def __init__(self, layers, target: str):
+        super().__init__(layers)
+        self.target = target
+
+
+def load_scorer(path, dims, hidden: int | None = None) -> Surrogates:
     """Per layer of the whole model, kvzap surrogates {w1, b1[, w2, b2]}
     (float32; None for sliding-window layers and, on a split model, layers
     of other processes) from `path`, checked against the model of `dims`:
@@ -204,9 +214,11 @@ def load_scorer(path, dims, hidden: int | None = None) -> list:
     arrays, meta, ours = read_checked(
         path, dims, KVZAP_FORMAT, "kvzap scorer", split_ok=True
     )
-    kind = meta.get("kind")
+    kind, target = meta.get("kind"), meta.get("target", "kvzip+")
     if kind not in SCORER_KINDS:
         raise CalibrationError(f"{path}: damaged, surrogate kind {kind!r}")
+    if target not in SCORER_TARGETS:
+        raise CalibrationError(f"{path}: damaged, surrogate target {target!r}")
     names = ("w1", "b1", "w2", "b2") if kind == "mlp" else ("w1", "b1")
     heads_out = ("w2", "b2") if kind == "mlp" else ("w1", "b1")
     layers = [None] * ours["layers"]
@@ -228,7 +240,7 @@ def load_scorer(path, dims, hidden: int | None = None) -> list:
             f"{path}: surrogates read hidden states of width {sorted(widths)}, "
             f"the model's is {hidden}"
         )
-    return layers
+    return Surrogates(layers, target)
 
 
 def _scorer_fault(w: dict, kv_heads: int) -> str | None:

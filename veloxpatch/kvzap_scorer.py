@@ -24,12 +24,13 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from .calibration_format import SCORER_TARGETS
 from .errors import CalibrationError
 
 SEGMENT = 1024  # tokens per calibration text
 PER_SEGMENT = 512  # positions sampled per segment
 SINKS = 4  # positions never sampled: kvzap keeps its sinks anyway
-TARGETS = ("kvzip+", "kvzip")  # the scores a surrogate predicts (the first: KVzap's)
+TARGETS = SCORER_TARGETS  # the scores a surrogate predicts (the first: KVzap's)
 LOG_FLOOR = 1e-12  # scores that underflow to 0 are clipped before the log
 RIDGES = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)  # relative strengths
 MLP_HIDDEN = 128

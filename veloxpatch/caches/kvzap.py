@@ -31,7 +31,8 @@ Two modes, as kvpress:
 also ranks a row by its KVzip+ weight under the prompt's newest N queries (the
 maximum of that and its predicted score): what a continuation reads first, and
 the question's needle when the question ends the prompt. Only the choice reads
-it; a row's stored score stays its prediction.
+it; a row's stored score stays its prediction. A scorer fitted to KVzip's own
+scores (`calibrate --target kvzip`) is met by the plain maximum probability.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..calibration_format import load_scorer
-from ..errors import OptionError, PatchStateError
+from ..calibration_format import SCORER_TARGETS, load_scorer
+from ..errors import CacheFileError, OptionError, PatchStateError
 from .attention_math import newest_queries
 from .base import PAD_POSITION
 from .eviction import PLACEHOLDER_BUDGET, EvictingCache, EvictionOptions
@@ -194,6 +195,8 @@ class KVzapCache(EvictingCache):
         # budget mode: the prompt's newest `tail` queries and their attention inputs
         self.tail_queries = self.tail_x = None
         self.wo_gram = None  # W_o^T W_o per query head (KVzip+ weights)
+        # the scores the surrogate predicts, which the tail's must match
+        self.target = getattr(self.options.loaded, "target", "kvzip+")
         self.tail_scores = None  # [B, Hkv, rows] during a model-wide choice
 
     # ---- scoring as rows enter -------------------------------------------------
@@ -210,12 +213,8 @@ class KVzapCache(EvictingCache):
             )
         x, o_proj = self.layer_input
         self.pending = surrogate_scores(self.scorer, x)
-        n = self.options.tail
-        if n and self.options.threshold is None and self.in_prompt:
-            if self.wo_gram is None:
-                self.wo_gram = output_gram(o_proj, q.shape[1])
-            xs = x if self.tail_x is None else mx.concatenate([self.tail_x, x], 1)
-            self.tail_x = mx.contiguous(xs[:, -n:])  # not the whole call's inputs
+        if self.options.tail and self.wo_gram is None and self.target == "kvzip+":
+            self.wo_gram = output_gram(o_proj, q.shape[1])
         return super().attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
 
     def after_attend(self, q, new_rows):
@@ -233,10 +232,13 @@ class KVzapCache(EvictingCache):
             if self.in_prompt or self.unjudged >= max(1, self.options.window):
                 self.drop_below()
         elif self.in_prompt:
-            if self.tail_x is not None:
-                self.tail_queries = newest_queries(
-                    self.tail_queries, q, self.options.tail
-                )
+            if self.options.tail:  # the piece's queries and their attention inputs
+                n, x = self.options.tail, self.layer_input[0]
+                start = self.offset - new_rows - self.call_offset
+                x = x[:, start : start + new_rows]
+                xs = x if self.tail_x is None else mx.concatenate([self.tail_x, x], 1)
+                self.tail_x = mx.contiguous(xs[:, -n:])  # not the whole call's inputs
+                self.tail_queries = newest_queries(self.tail_queries, q, n)
             if self.is_last_member() and self.pending.shape[-1] == 0:
                 self.choose_together()
         else:
@@ -310,17 +312,21 @@ class KVzapCache(EvictingCache):
 
     # what kvzip's model-wide choice (`compress_together`) asks of a cache
     def raise_tail_scores(self) -> None:
-        """The log KVzip+ weight of each held row under the tail queries, for
-        this choice only (`row_scores` ranks by the larger)."""
+        """The log KVzip+ weight (KVzip's score for a `kvzip` target) of each
+        held row under the tail queries, for this choice only (`row_scores`
+        ranks by the larger)."""
         q = self.tail_queries
         if q is None or self.zscore is None:
             return
         n = q.shape[2]
-        _, values = self._view()
-        if hasattr(values, "rows_dense"):  # quantized rows
-            _, values = values.rows_dense()
         probs = newest_query_probs(self, q)  # [B, Hkv, G, n, rows]
-        w = plus_scores(probs, values, self.tail_x[:, -n:], self.wo_gram)
+        if self.target == "kvzip":
+            w = probs.max(axis=(2, 3))
+        else:
+            _, values = self._view()
+            if hasattr(values, "rows_dense"):  # quantized rows
+                _, values = values.rows_dense()
+            w = plus_scores(probs, values, self.tail_x[:, -n:], self.wo_gram)
         self.tail_scores = mx.log(mx.maximum(w, 1e-30))
 
     def row_scores(self) -> mx.array:
@@ -354,9 +360,17 @@ class KVzapCache(EvictingCache):
         self.scorer = scorer or None
 
     def extra_meta(self):
-        return {"share": self.share, "entered": self.entered, "unjudged": self.unjudged}
+        return {
+            "share": self.share,
+            "entered": self.entered,
+            "unjudged": self.unjudged,
+            "target": self.target,
+        }
 
     def load_extra_meta(self, m):
+        self.target = m.get("target", "kvzip+")  # saved before targets: KVzip+'s
+        if self.target not in SCORER_TARGETS:
+            raise CacheFileError(f"kvzap: unknown surrogate target {self.target!r}")
         self.share = m.get("share")
         self.entered = int(m.get("entered", 0))
         self.unjudged = int(m.get("unjudged", 0))
