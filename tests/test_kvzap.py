@@ -380,3 +380,6 @@ def test_tail_queries_are_weighed_as_the_scores_the_surrogate_predicts(
             got = np.array(c.tail_scores[0])
             close = np.allclose(got, want, atol=1e-4)
             assert close if target == "kvzip" else not close
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+    loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+    assert [c.target for c in loaded] == [target] * len(caches)
