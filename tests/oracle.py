@@ -123,6 +123,21 @@ def numpy_decode_scores(q, keys, pos, offset, scale):
     return out
 
 
+def numpy_tail_probs(c) -> np.ndarray:
+    """[Hkv, T] each row's largest probability under cache `c`'s buffered tail
+    queries (the last n prompt queries, ending at its newest row) and the GQA
+    group, a numpy softmax over the rows it holds (batch 1)."""
+    q = np.array(c.tail_queries, dtype=np.float64)[0]  # [Hq, n, D]
+    keys = np.array(c._view()[0], dtype=np.float64)[0]  # [Hkv, T, D]
+    (Hkv, T), n = keys.shape[:2], q.shape[1]
+    G = q.shape[0] // Hkv
+    logits = np.einsum("hgnd,htd->hgnt", q.reshape(Hkv, G, n, -1), keys) * c.scale
+    logits = np.where(np.arange(T) <= np.arange(T - n, T)[:, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return p.max(axis=(1, 2))
+
+
 def watch_decode_cuts(c, sinks: int, window: int) -> list:
     """Check every eviction of cache `c` against `numpy_decode_scores` of its
     buffered decode queries: the scores it cuts by, the sinks and the `window`

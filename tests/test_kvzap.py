@@ -7,6 +7,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from oracle import numpy_tail_probs
 from tiny import VOCAB, prompt_tokens, tiny_model, tiny_scorer
 
 import veloxpatch
@@ -363,19 +364,7 @@ def test_tail_queries_are_weighed_as_the_scores_the_surrogate_predicts(
         caches = patch.make_cache()
         model(mx.array(ids)[None], cache=caches)  # the prompt is not ended
         for c in caches:
-            q = np.array(c.tail_queries, dtype=np.float64)  # [1, Hq, 4, D]
-            keys = np.array(c._view()[0], dtype=np.float64)[0]  # [Hkv, T, D]
-            Hkv, T = keys.shape[:2]
-            G = q.shape[1] // Hkv
-            logits = (
-                np.einsum("hgnd,htd->hgnt", q[0].reshape(Hkv, G, 4, -1), keys) * c.scale
-            )
-            logits = np.where(
-                np.arange(T) <= np.arange(T - 4, T)[:, None], logits, -np.inf
-            )
-            p = np.exp(logits - logits.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
-            want = np.log(p.max(axis=(1, 2)))  # [Hkv, T]
+            want = np.log(numpy_tail_probs(c))  # [Hkv, T]
             c.raise_tail_scores()
             got = np.array(c.tail_scores[0])
             close = np.allclose(got, want, atol=1e-4)

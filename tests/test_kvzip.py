@@ -6,7 +6,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import greedy, max_abs
-from oracle import watch_decode_cuts
+from oracle import numpy_tail_probs, watch_decode_cuts
 from tiny import VOCAB, prompt_tokens, tiny_model
 
 import veloxpatch
@@ -328,19 +328,9 @@ def test_tail_queries_raise_scores_by_their_attention():
         caches = patch.make_cache()
         model(mx.array(ids)[None], cache=caches)  # the prompt is not ended
         for c in caches:
-            q = np.array(c.tail_queries, dtype=np.float64)  # [1, Hq, 4, D]
-            assert q.shape[2] == 4
-            keys = np.array(c._view()[0], dtype=np.float64)[0]  # [Hkv, T, D]
-            Hkv, T = keys.shape[:2]
-            G = q.shape[1] // Hkv
-            logits = (
-                np.einsum("hgnd,htd->hgnt", q[0].reshape(Hkv, G, 4, -1), keys) * c.scale
-            )
-            qpos = np.arange(T - 4, T)
-            logits = np.where(np.arange(T) <= qpos[:, None], logits, -np.inf)
-            p = np.exp(logits - logits.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
-            want = p.max(axis=(1, 2))  # [Hkv, T]
+            assert c.tail_queries.shape[2] == 4
+            want = numpy_tail_probs(c)  # [Hkv, T]
+            Hkv, T = want.shape
             c.zscore = mx.zeros((1, Hkv, T))
             c.score_prompt = False  # as after the reconstruction pass
             c.raise_tail_scores()

@@ -30,7 +30,6 @@ from .errors import CalibrationError
 SEGMENT = 1024  # tokens per calibration text
 PER_SEGMENT = 512  # positions sampled per segment
 SINKS = 4  # positions never sampled: kvzap keeps its sinks anyway
-TARGETS = SCORER_TARGETS  # the scores a surrogate predicts (the first: KVzap's)
 LOG_FLOOR = 1e-12  # scores that underflow to 0 are clipped before the log
 RIDGES = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)  # relative strengths
 MLP_HIDDEN = 128
@@ -273,8 +272,10 @@ def calibrate_scorer(
     held out, judged on those held out."""
     if kind not in ("linear", "mlp"):
         raise CalibrationError(f"kvzap surrogates are linear or mlp, not {kind!r}")
-    if target not in TARGETS:
-        raise CalibrationError(f"kvzap surrogates predict {TARGETS}, not {target!r}")
+    if target not in SCORER_TARGETS:
+        raise CalibrationError(
+            f"kvzap surrogates predict {SCORER_TARGETS}, not {target!r}"
+        )
     start = time.perf_counter()
     data = collect(
         model, tokenizer, ids, segment=segment, seed=seed, tick=tick, target=target
