@@ -8,6 +8,8 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import greedy
+from mlx_lm.models.cache import make_prompt_cache
 from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
@@ -390,6 +392,30 @@ def test_a_rebuilt_rotated_store_holds_the_rows_it_was_given(keys):
     assert mx.array_equal(back_k[0, 0, :GROUP], dk[0, 0, :GROUP])  # kept exactly
 
 
+@pytest.mark.parametrize("rotation", ["hadamard", "query"])
+def test_evicting_rotated_rows_down_to_the_residual_keeps_the_rows_kept(rotation):
+    # a compaction that leaves no whole group past the residual rebuilds an
+    # empty store (it once rotated the empty rows and failed)
+    model = tiny_model("llama", head_dim=D)
+    ids = prompt_tokens(300)
+    opts = dict(budget=64, kv_bits=8, kv_rotate=rotation)
+    with veloxpatch.patched(model, "snapkv", **opts) as patch:
+        caches = patch.make_cache()
+        greedy(model, ids, n=8, prefill_step_size=64, prompt_cache=caches)
+    plain = make_prompt_cache(model)  # layer 0's keys are the tokens' own
+    model(ids[None], cache=plain)
+    first = caches[0]
+    assert first.store is not None and first.rows <= 64 + first.options.window
+    keys, values = (np.array(a[0]) for a in first._view()[0].rows_dense())
+    pos = np.array(first.positions_view()[0])  # [Hkv, rows], one sequence
+    want_k, want_v = np.array(plain[0].keys[0]), np.array(plain[0].values[0])
+    for h in range(pos.shape[0]):
+        rows = np.nonzero(pos[h] < len(ids))[0]  # the prompt's (then generated)
+        assert len(rows) > 0
+        assert rel(keys[h, rows], want_k[h, pos[h, rows]]) < 0.02
+        assert rel(values[h, rows], want_v[h, pos[h, rows]]) < 0.02
+
+
 # ---- dense sinks (kv_sinks) -----------------------------------------------------
 @pytest.mark.parametrize("dense", ["model", "float16"])
 @pytest.mark.parametrize("keys", ["channel", "token"])
@@ -462,6 +488,41 @@ def test_sinks_survive_save_trim_and_count_in_the_bytes(tmp_path):
             np.array(model(more, cache=fresh)),
             atol=1e-4,
         )
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(kv_rotate="hadamard"), dict(kv_sinks=2), dict(kv_rotate="query")],
+    ids=["rotated, one sink", "two sinks", "query-scaled, one sink"],
+)
+def test_trims_into_the_groups_behind_sinks_compact_to_the_rows_kept(opts):
+    # trims leave holes (kv_bits.truncate_rows) until _compact regroups the rows
+    # behind the sinks; each row must then be the token's own key and value
+    model = tiny_model("qwen3", head_dim=D)
+    pieces = [prompt_tokens(300, seed=1), prompt_tokens(20, seed=2)]
+    last = prompt_tokens(5, seed=3)
+    with veloxpatch.patched(model, "kivi", bits=8, residual=32, **opts) as patch:
+        caches = patch.make_cache()
+        model(pieces[0][None], cache=caches)
+        model(mx.array([[3]]), cache=caches)
+        for c in caches:
+            c.trim(c.offset - 50)
+        model(pieces[1][None], cache=caches)
+        for c in caches:
+            c.trim(c.offset - 10)
+        out = model(last[None], cache=caches)
+    plain = make_prompt_cache(model)  # unpatched: the exact rows of the tokens
+    ref_out = model(mx.concatenate([pieces[0][:10], last])[None], cache=plain)
+    sinks = caches[0].store.sink_rows
+    assert sinks == opts.get("kv_sinks", 1) and caches[0].holes == 0  # compacted
+    for c, p in zip(caches, plain):
+        keys, values = c._view()[0].rows_dense()
+        assert c.rows == 15 and c.offset == 15
+        assert mx.array_equal(c.positions_view()[0, 0], mx.arange(15))
+        want_k, want_v = p.keys[:, :, :15], p.values[:, :, :15]
+        assert rel(keys[:, :, :sinks], want_k[:, :, :sinks]) < 1e-5  # not quantized
+        assert rel(keys, want_k) < 0.02 and rel(values, want_v) < 0.02
+    assert rel(out, ref_out[:, -5:]) < 0.05
 
 
 def test_sinks_default_to_one_with_a_rotation_and_none_without():

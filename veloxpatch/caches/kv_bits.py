@@ -182,10 +182,13 @@ class QuantizedKV:
         return n
 
     def _compact(self) -> None:
-        """Lay every head's rows out again with no holes (see the module doc)."""
-        g, K, tq, S = self.options.kv_group, self.rows, self.quantized, self.slots
+        """Lay every head's rows out again with no holes (see the module doc).
+        kivi's dense sinks (rows and slots 0..s-1, never evicted or holed) stay
+        as they are; the rows after them are regrouped."""
+        g, s = self.options.kv_group, self.store.sink_rows
+        K, tq, S = self.rows - s, self.quantized - s, self.slots - s
         B, H = self.keys.shape[:2]
-        slot = self._slot_map()
+        slot = self._slot_map()[..., s:] - s
         order = mx.broadcast_to(mx.arange(K, dtype=mx.int32), (B, H, K))
         n_intact = mx.zeros((B, H), mx.int32)
         if tq:
@@ -201,8 +204,8 @@ class QuantizedKV:
         keys, values = self.keys, self.values
         if tq:
             dk, dv = self.store.dequantize(keys.dtype)
-            keys = mx.concatenate([dk, keys], axis=2)
-            values = mx.concatenate([dv, values], axis=2)
+            keys = mx.concatenate([dk[:, :, s:], keys], axis=2)
+            values = mx.concatenate([dv[:, :, s:], values], axis=2)
         keys = mx.take_along_axis(keys, src[..., None], axis=2)
         values = mx.take_along_axis(values, src[..., None], axis=2)
         new_tq = max(0, (K - self.options.kv_residual) // g) * g
@@ -211,7 +214,11 @@ class QuantizedKV:
         gid = mx.take_along_axis(src, mx.broadcast_to(firsts, (B, H, new_tq // g)), -1)
         self.store.rebuild(keys[:, :, :new_tq], values[:, :, :new_tq], exact, gid // g)
         self.keys, self.values = keys[:, :, new_tq:], values[:, :, new_tq:]
-        self.slot = mx.argsort(order, axis=-1).astype(mx.int32) if tq else None
+        self.slot = None
+        if tq:
+            rest = mx.argsort(order, axis=-1).astype(mx.int32) + s
+            sinks = mx.broadcast_to(mx.arange(s, dtype=mx.int32), (B, H, s))
+            self.slot = mx.concatenate([sinks, rest], axis=-1) if s else rest
 
     # ---- when rows are quantized --------------------------------------------------
     @property

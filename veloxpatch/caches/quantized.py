@@ -584,8 +584,9 @@ class QuantizedStore:
             raise ValueError("quantized rows with dense sinks cannot be regrouped")
 
     def rebuild(self, k, v, exact, gid) -> None:
-        self._no_sinks()
-        if self.signs is not None:  # unrotated rows in, as `append` takes them
+        """The quantized rows replaced as `QuantizedRows.rebuild` does; the
+        sinks ahead of them stay."""
+        if self.signs is not None and k.shape[2]:  # unrotated rows in, as `append`
             k, v = self._keys_in(k), rotate(v, self.signs)
         split = zip(self.parts, *(self._split(x) for x in (k, v, exact, gid)))
         for part, kh, vh, eh, gh in split:
