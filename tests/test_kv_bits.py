@@ -182,3 +182,32 @@ def test_quantized_rows_hold_fewer_bytes():
             model(ids[None], cache=caches)
             nbytes[bits] = sum(c.nbytes for c in caches)
     assert nbytes[None] > nbytes[8] > nbytes[4] > nbytes[2]
+
+
+@pytest.mark.parametrize(
+    "opts, at_boundary_exact",
+    [
+        (dict(bits=2, residual=4), True),
+        (dict(bits=2, residual=4, kv_rotate="hadamard", kv_sinks=0), True),
+        # the key scales were set from the queries of every token so far
+        (dict(bits=2, residual=4, kv_rotate="query", kv_sinks=0), False),
+    ],
+    ids=["plain", "rotated", "query-scaled"],
+)
+def test_a_trim_into_a_quantized_group_is_not_reused_as_exact(opts, at_boundary_exact):
+    # the server reuses a trimmed prompt-cache entry only if trimmed_exactly: a
+    # kept group whose grid was set by trimmed rows depends on another prompt
+    from veloxpatch.serve.kv import trimmed_exactly
+
+    model = tiny_model("llama", head_dim=64)
+    ids = prompt_tokens(70)[None]  # 66 rows past the residual: two groups
+    with veloxpatch.patched(model, "kivi", **opts) as patch:
+        results = {}
+        for keep in (10, 32, 68):  # inside group 0, its end, the residual
+            caches = patch.make_cache()
+            model(ids, cache=caches)
+            assert caches[0].quantized == 64
+            for c in caches:
+                c.trim(c.offset - keep)
+            results[keep] = trimmed_exactly(caches, keep)
+    assert results == {10: False, 32: at_boundary_exact, 68: at_boundary_exact}

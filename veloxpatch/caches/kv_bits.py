@@ -160,6 +160,8 @@ class QuantizedKV:
         if self.positions is not None:  # held exactly, not in a grown buffer
             self.positions = self.positions[..., :n]
         tq = self.quantized
+        if self._cuts_a_group(n):  # the kept rows' grid read the trimmed ones
+            self.irreversible_at = max(self.irreversible_at or 0, self.offset)
         if self.slot is not None:
             self.slot = self.slot[..., :n]
         elif n >= tq:
@@ -173,6 +175,14 @@ class QuantizedKV:
             self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
             self.slot = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (B, H, n))
         self.rows = n
+
+    def _cuts_a_group(self, n: int) -> bool:
+        """Whether keeping the first n rows keeps a quantized group some of
+        whose rows go: its scales and biases were set by them too."""
+        if self.slot is None:
+            return n < self.quantized and self.store.kept_rows(n) != n
+        gone = self.slot[..., n:]
+        return gone.size > 0 and bool((gone < self.quantized).any().item())
 
     def trim(self, n):
         n = super().trim(n)
@@ -293,7 +303,9 @@ class QuantizedKV:
             # copied out: the residual's slice would hold the call's dense rows
             self.keys = mx.contiguous(self.keys[:, :, n:])
             self.values = mx.contiguous(self.values[:, :, n:])
-        if self._scaled:  # the scales are set: the queries' sums are done with
+        if self._scaled and self.query_count:  # the scales were set just now
+            # from every query so far: a trim cannot take those back
+            self.irreversible_at = max(self.irreversible_at or 0, self.offset)
             self.query_power, self.query_count = None, 0
 
     def _new_store(self, bits: tuple[int, ...]) -> QuantizedStore:
