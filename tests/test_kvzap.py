@@ -372,3 +372,79 @@ def test_tail_queries_are_weighed_as_the_scores_the_surrogate_predicts(
         veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
     loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
     assert [c.target for c in loaded] == [target] * len(caches)
+
+
+def _kept(caches) -> list:
+    """Each layer's kept positions per KV head (padding left out)."""
+    out = []
+    for c in caches:
+        pos = np.array(c.positions_view()[0])
+        out.append([sorted(p for p in row.tolist() if p < 2**31 - 1) for row in pos])
+    return out
+
+
+def test_a_cache_saved_while_decoding_cuts_as_if_never_saved(tmp_path):
+    # the next decode cut ranks by the last `window` decode queries: they are
+    # saved with the state (without them a loaded cache kept other rows)
+    model = tiny_model("llama")
+    opts = dict(scorer=str(tiny_scorer(model)), budget=12, sinks=2, window=6)
+    tokens = prompt_tokens(30, seed=5).tolist()
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        caches = patch.make_cache()
+        ids = prompt_tokens(40).tolist()
+        for a in range(0, len(ids), 9):
+            model(mx.array(ids[a : a + 9])[None], cache=caches)
+        cut, fed = False, 0
+        while not (cut and caches[1].rows == caches[1].share + 3):
+            rows = caches[1].rows  # until 3 tokens after the first cut
+            model(mx.array([[tokens[fed]]]), cache=caches)
+            cut, fed = cut or caches[1].rows < rows, fed + 1
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+        for t in tokens[fed:]:  # past the next cut
+            a = model(mx.array([[t]]), cache=caches)
+            b = model(mx.array([[t]]), cache=loaded)
+            assert mx.array_equal(a, b)
+    assert _kept(loaded) == _kept(caches)
+
+
+def test_a_cache_saved_before_its_prompt_ends_keeps_the_tail_queries(tmp_path):
+    # the model-wide choice as the prompt ends ranks rows by the prompt's
+    # newest `tail` queries too; the scorer's bias is lowered so they decide
+    model = tiny_model("llama")
+    layers = load_scorer(tiny_scorer(model), model)
+    low = [{**w, "b1": w["b1"] - 6.0} for w in layers]
+    save_scorer(tmp_path / "s.safetensors", low, model, "linear")
+    opts = dict(scorer=str(tmp_path / "s.safetensors"), budget=12, sinks=2)
+    ids = prompt_tokens(61, seed=1).tolist()
+    with veloxpatch.patched(model, "kvzap", **opts, window=2, tail=16) as patch:
+        runs = []
+        for saved in (False, True):
+            caches = patch.make_cache()
+            for a in range(0, 60, 20):
+                model(mx.array(ids[a : a + 20])[None], cache=caches)
+            if saved:
+                veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+                caches = veloxpatch.load_cache(tmp_path / "c.safetensors")
+            model(mx.array(ids[60:])[None], cache=caches)  # the prompt's end
+            runs.append((caches, model(mx.array([[7]]), cache=caches)))
+    (ref, a), (loaded, b) = runs
+    assert _kept(loaded) == _kept(ref)
+    assert mx.array_equal(a, b)
+
+
+def test_an_empty_saved_cache_keeps_its_scorer_and_trims_keep_the_fraction(tmp_path):
+    model = tiny_model("llama")
+    opts = dict(scorer=str(tiny_scorer(model)), threshold=0.0, window=4)
+    ids = prompt_tokens(40)[None]
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        veloxpatch.save_cache(tmp_path / "e.safetensors", patch.make_cache())
+        loaded = veloxpatch.load_cache(tmp_path / "e.safetensors")
+        fresh = patch.make_cache()
+        assert mx.array_equal(model(ids, cache=loaded), model(ids, cache=fresh))
+        c = fresh[0]
+        assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
+        assert any(a is c.zscore for a in c.held_arrays())  # nbytes counts scores
+        c.trim(30)  # kept over the 10 tokens left
+        held = (np.array(c.positions_view()) < 2**31 - 1).sum(-1).mean()
+        assert c.kept_fraction() == pytest.approx(held / 10)

@@ -258,6 +258,7 @@ class KVzapCache(EvictingCache):
         n = super().trim(n)
         if n:  # they may include trimmed tokens
             self.decode_queries = self.tail_queries = self.tail_x = None
+            self.entered = max(0, self.entered - n)
         return n
 
     def end_prompt(self):
@@ -348,9 +349,25 @@ class KVzapCache(EvictingCache):
         held = (self.positions_view() != PAD_POSITION).sum(-1).astype(mx.float32)
         return held.mean().item() / self.entered
 
+    def held_arrays(self):
+        return super().held_arrays() + ([] if self.zscore is None else [self.zscore])
+
+    def side_arrays(self):
+        held = (self.decode_queries, self.tail_queries, self.tail_x)
+        return super().side_arrays() + [a for a in held if a is not None]
+
+    def arrays(self):
+        return super().arrays() or self.extra_state()  # empty: still its scorer
+
     def extra_state(self):
         named = {f"scorer_{k}": v for k, v in (self.scorer or {}).items()}
-        return super().extra_state() | named
+        queries = {
+            "decode_queries": self.decode_queries,
+            "tail_queries": self.tail_queries,
+            "tail_x": self.tail_x,
+        }
+        queries = {k: v for k, v in queries.items() if v is not None}
+        return super().extra_state() | named | queries
 
     def load_extra_state(self, st):
         super().load_extra_state(st)
@@ -358,6 +375,8 @@ class KVzapCache(EvictingCache):
             k[len("scorer_") :]: v for k, v in st.items() if k.startswith("scorer_")
         }
         self.scorer = scorer or None
+        self.decode_queries = st.get("decode_queries")
+        self.tail_queries, self.tail_x = st.get("tail_queries"), st.get("tail_x")
 
     def extra_meta(self):
         return {
