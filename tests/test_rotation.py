@@ -525,6 +525,29 @@ def test_trims_into_the_groups_behind_sinks_compact_to_the_rows_kept(opts):
     assert rel(out, ref_out[:, -5:]) < 0.05
 
 
+@pytest.mark.parametrize(
+    "algo, opts",
+    [
+        ("kivi", dict(bits=2, residual=8, kv_dense="float16")),
+        ("snapkv", dict(budget=100, kv_bits=2, kv_residual=16, kv_dense="float16")),
+    ],
+)
+def test_fp16_rows_leave_a_bf16_model_in_bf16(algo, opts):
+    # attention over fp16 rows promotes to fp32: the output goes back to the
+    # model's dtype, or every later layer computes (and stores) in fp32
+    model = tiny_model("llama", head_dim=D, dtype=mx.bfloat16)
+    ids = prompt_tokens(150)
+    with veloxpatch.patched(model, algo, **opts) as patch:
+        caches = patch.make_cache()
+        outs = [
+            model(ids[None, :100], cache=caches),
+            model(ids[None, 100:], cache=caches),
+        ]
+        outs.append(model(mx.array([[4]]), cache=caches))
+    assert [o.dtype for o in outs] == [mx.bfloat16] * 3
+    assert caches[0].keys.dtype == mx.float16 and caches[-1].keys.dtype == mx.float16
+
+
 def test_sinks_default_to_one_with_a_rotation_and_none_without():
     Options = ALGORITHMS["kivi"].Options
     assert Options(kv_rotate="hadamard").kv_sinks == 1

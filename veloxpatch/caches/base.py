@@ -188,6 +188,8 @@ class VeloxCache(RowStorage):
             self.probe(seen)
         keys, values = self._append(k, v, offset)
         out = self.attention(q, keys, values, self._mask(L, offset, q.shape[1]), scale)
+        if out.dtype != q.dtype:  # rows held in another dtype (kv_dense="float16")
+            out = out.astype(q.dtype)
         self.offset = offset + L
         self.after_attend(q, L)
         side = self.side_arrays()
