@@ -114,6 +114,34 @@ def test_pyramid_budgets_formula():
     assert counts == sorted(counts, reverse=True) and counts[0] > 2 * counts[-1]
 
 
+def test_a_steep_pyramid_leaves_no_layer_under_its_protected_rows():
+    # budget 16, window 4: the top layer's taper (5 rows) is under the 4 sinks
+    # and the window; it keeps those, and the largest layers give the rest
+    plain = pyramid_budgets(16, 4, 4, 20.0)
+    rows = pyramid_budgets(16, 4, 4, 20.0, protected=8)
+    assert min(plain) < 8 and min(rows) == 8 and sum(rows) == 16 * 4
+    assert rows == sorted(rows, reverse=True) and rows[0] < plain[0]
+    assert pyramid_budgets(256, 32, 30, 20.0, protected=36) == pyramid_budgets(
+        256, 32, 30, 20.0
+    )  # the defaults' pyramid never reaches its protected rows
+    model = tiny_model("llama", num_hidden_layers=4)
+    opts = dict(budget=16, window=4, sinks=4)
+    for head_budget in ("uniform", "adaptive"):
+        with veloxpatch.patched(
+            model, "pyramidkv", head_budget=head_budget, **opts
+        ) as patch:
+            caches = patch.make_cache()
+            model(prompt_tokens(60)[None], cache=caches)
+            patch.end_prompt()
+        top = np.array(caches[-1].positions_view()[0])
+        for head in top:  # the sinks and the window's rows, in every head
+            kept = set(head.tolist())
+            assert {0, 1, 2, 3, 56, 57, 58, 59} <= kept
+        for c, want in zip(caches, rows):  # adaptive: the heads' mean
+            held = (np.array(c.positions_view()[0]) < 2**31 - 1).sum(-1)
+            assert held.mean() == want
+
+
 def test_pyramidkv_layers_hold_different_rows():
     model = tiny_model("llama", num_hidden_layers=4)
     with veloxpatch.patched(model, algo="pyramidkv", budget=20, window=4) as patch:

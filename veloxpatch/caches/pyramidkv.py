@@ -29,9 +29,11 @@ class PyramidKVOptions(SnapKVOptions):
 
 
 def pyramid_budgets(
-    budget: int, window: int, num_layers: int, beta: float
+    budget: int, window: int, num_layers: int, beta: float, protected: int = 0
 ) -> list[int]:
-    """Rows kept per layer (window included), summing to budget * num_layers."""
+    """Rows kept per layer (window included), summing to budget * num_layers;
+    none under `protected` (sinks and window, which a layer never evicts):
+    the rows a steep pyramid's top layers lack come off its largest."""
     prefix = budget - window
     if num_layers == 1:
         return [budget]
@@ -43,7 +45,14 @@ def pyramid_budgets(
     by_remainder = sorted(range(num_layers), key=lambda i: (counts[i] - exact[i], i))
     for i in by_remainder[:short]:
         counts[i] += 1
-    return [c + window for c in counts]
+    rows = [c + window for c in counts]
+    lacking = sum(max(0, protected - r) for r in rows)
+    rows = [max(r, protected) for r in rows]
+    while lacking:  # budget > protected (checked), so the largest can give
+        top = max(range(num_layers), key=lambda i: (rows[i], -i))
+        rows[top] -= 1
+        lacking -= 1
+    return rows
 
 
 class PyramidKVCache(SnapKVCache):
@@ -54,5 +63,7 @@ class PyramidKVCache(SnapKVCache):
 
     def row_budget(self) -> int:
         o = self.options
-        budgets = pyramid_budgets(o.budget, o.recent_rows(), self.num_layers, o.beta)
+        budgets = pyramid_budgets(
+            o.budget, o.recent_rows(), self.num_layers, o.beta, o.protected()
+        )
         return budgets[self.layer]
