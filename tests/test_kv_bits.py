@@ -211,3 +211,30 @@ def test_a_trim_into_a_quantized_group_is_not_reused_as_exact(opts, at_boundary_
                 c.trim(c.offset - keep)
             results[keep] = trimmed_exactly(caches, keep)
     assert results == {10: False, 32: at_boundary_exact, 68: at_boundary_exact}
+
+
+@pytest.mark.parametrize("algo", ["h2o", "knorm"])
+def test_a_trim_of_quantized_rows_trims_their_side_state(algo):
+    # h2o's accumulated attention and knorm's key norms follow the rows through
+    # a trim (kv_bits' own truncate once left them long: h2o then failed)
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    model = tiny_model("llama", head_dim=32)
+    opts = dict(budget=10, kv_bits=8, kv_group=32, kv_residual=4)
+    with veloxpatch.patched(model, algo, **opts) as patch:
+        caches = patch.make_cache()
+        model(prompt_tokens(30)[None], cache=caches)
+        for t in (4, 5, 6):
+            model(mx.array([[t]]), cache=caches)
+        assert trim_prompt_cache(caches, 3) == 3
+        for t in (7, 8, 9, 10, 11):
+            model(mx.array([[t]]), cache=caches)
+            for c in caches:
+                side = getattr(c, c.row_arrays[0])
+                assert side.shape[-1] == c.rows
+    if algo == "knorm":  # each held row's score is its own key's norm
+        for c in caches:
+            keys = c._view()[0]
+            keys = keys.rows_dense()[0] if hasattr(keys, "rows_dense") else keys
+            norms = np.linalg.norm(np.array(keys[..., : c.rows, :]), axis=-1)
+            np.testing.assert_allclose(-np.array(c.norms), norms, rtol=0.02)

@@ -318,6 +318,10 @@ class VeloxCache(RowStorage):
 
     def truncate_rows(self, n: int) -> None:
         super().truncate_rows(n)
+        self.truncate_row_arrays(n)
+
+    def truncate_row_arrays(self, n: int) -> None:
+        """Each row's side state follows its rows (any storage's truncate)."""
         for name in self.row_arrays:
             a = getattr(self, name)
             if a is not None:

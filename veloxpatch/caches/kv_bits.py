@@ -175,6 +175,7 @@ class QuantizedKV:
             self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
             self.slot = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (B, H, n))
         self.rows = n
+        self.truncate_row_arrays(n)  # (the dense storage's truncate is not ours)
 
     def _cuts_a_group(self, n: int) -> bool:
         """Whether keeping the first n rows keeps a quantized group some of
