@@ -91,6 +91,27 @@ def test_second_apply_raises_and_changes_nothing():
     assert veloxpatch.unpatch(model) is False
 
 
+@pytest.mark.parametrize("first", ["outer", "inner"])
+def test_patching_a_model_inside_a_patched_one_raises_and_changes_nothing(first):
+    # a vision-language wrapper holds the language model: either can be given,
+    # but not both; the refusal leaves the other's patch whole
+    outer = tiny_model("mistral3_llama")
+    inner = outer.language_model
+    attn = inner.model.layers[0].self_attn
+    models = {"outer": outer, "inner": inner}
+    second = models["inner" if first == "outer" else "outer"]
+    patch = veloxpatch.apply(models[first], algo="h2o", budget=8)
+    with pytest.raises(PatchStateError, match="already patched"):
+        veloxpatch.apply(second, algo="h2o", budget=8)
+    assert patcher.is_registered(attn) and patch.active
+    assert veloxpatch.unpatch(second) is False  # nothing of its own to undo
+    caches = models[first].make_cache()
+    models[first](prompt_tokens(12)[None], cache=caches)
+    assert caches[0].rows == 8  # still evicting: its layers are still patched
+    patch.restore()
+    assert not patcher.is_registered(attn)
+
+
 def test_prior_instance_make_cache_is_put_back():
     model = tiny_model("llama")
 

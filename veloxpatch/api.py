@@ -180,7 +180,11 @@ class Patch:
         self._prior_make_cache = model.__dict__.get("make_cache", _MISSING)
         _PATCHES[id(model)] = weakref.ref(self)
         try:
-            patcher.register(active, owner=self)
+            patcher.register(active, owner=self)  # all or nothing
+        except BaseException:
+            del _PATCHES[id(model)]
+            raise
+        try:
             if self.cache_cls.wants_token_ids:
                 patcher.register_model(model, self._model_forward)
             model.make_cache = self.make_cache
@@ -235,6 +239,11 @@ def apply(model, algo: str = "full", *, tokenizer=None, **options) -> Patch:
             "model is already patched; call restore() (or veloxpatch.unpatch) first"
         )
     sites = adapter.sites(model)
+    if any(patcher.is_registered(s.attention) for s in sites):
+        raise PatchStateError(
+            "this model's attention is already patched, by the patch of a model "
+            "that holds it (or that it holds); restore that patch first"
+        )
     for target in {s.target for s in sites}:
         patcher.check_target(target)
     if all(s.sliding for s in sites):
