@@ -178,6 +178,8 @@ BEFORE_LOAD = [
     ("serve --max-kv-bytes 3XB", "max_kv_bytes must be a size"),
     ("serve --kv-bits 4", "--kv-bits: mlx-lm's --kv-bits swaps in"),
     ("serve --draft-model m", "speculative decoding is not supported"),
+    ("serve --kv-bit 4", "unrecognized arguments: --kv-bit 4"),  # no abbreviations
+    ("serve --draft m", "unrecognized arguments: --draft m"),
     ("serve --port notaport", "argument --port: invalid int value: 'notaport'"),
     ("serve --no-such-flag 3", "unrecognized arguments: --no-such-flag 3"),
 ]

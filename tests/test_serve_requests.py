@@ -113,11 +113,52 @@ def test_messages_of_the_wrong_shape_are_400(server, messages, says):
         ({"presence_penalty": 3}, "presence_penalty must be"),
         ({"seed": -1}, "seed must be"),
         ({"top_logprobs": 50}, "top_logprobs must be"),
+        # a lone surrogate is valid JSON; as a stop word it once stopped the
+        # generation thread for every later request
+        ({"stop": ["\ud800"]}, '"stop" holds "\\ud800", a lone surrogate'),
+        ({"stop": "ab\udfff"}, "a lone surrogate"),
     ],
 )
 def test_other_bad_fields_are_400_naming_the_field(server, extra, says):
     body = {"messages": USER, "max_tokens": 2, **extra}
     assert says in error_of(*server.post(body))
+    still_serving(server)
+
+
+@smollm
+def test_max_completion_tokens_stands_for_a_null_max_tokens(server):
+    # mlx-lm reads max_completion_tokens first and max_tokens only without it
+    body = {"messages": USER, "max_tokens": None, "max_completion_tokens": 2}
+    status, text = server.post(body)
+    assert status == 200, text
+    assert json.loads(text)["usage"]["completion_tokens"] <= 2
+
+
+@smollm
+@pytest.mark.parametrize(
+    "length, body, says",
+    [
+        (None, b'{"messages": [{"role": "user", "content": "hi\xff"}]}', "not UTF-8"),
+        (-1, b"{}", "Content-Length must not be negative"),
+    ],
+    ids=["not utf-8", "negative length"],
+)
+def test_a_body_mlx_lm_cannot_read_is_400_not_silence(server, length, body, says):
+    length = len(body) if length is None else length
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    status_line, _, rest = reply.partition(b"\r\n")
+    assert b" 400 " in status_line, reply[:200]
+    assert says in json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    still_serving(server)
 
 
 @smollm

@@ -48,6 +48,7 @@ def mlx_server_parser() -> argparse.ArgumentParser:
         raise UserError(f"{message} (see 'veloxpatch serve --help')")
 
     parser.error = error  # one line, exit 2, like every other option
+    parser.allow_abbrev = False  # "--kv-bit 4" would slip past REFUSED
     return parser
 
 

@@ -115,6 +115,7 @@ def _object(body, name):
 
 def check_body(body: dict, path: str, limits: Limits) -> None:
     """Raise BadRequest at the first field the server cannot take."""
+    _text(body, "the request")
     if path in CHAT_PATHS:
         _messages(body)
     else:
@@ -133,6 +134,27 @@ def check_body(body: dict, path: str, limits: Limits) -> None:
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
     ):
         raise BadRequest(f"tools must be a list of objects, got {shown(tools)}")
+
+
+def _text(value, where: str) -> None:
+    """Every string in the body is Unicode text: JSON admits lone surrogates
+    ("\\ud800"), which no tokenizer encodes (a stop word is encoded in the
+    generation thread, where the error would stop every request)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRequest(
+                f"{where} holds {shown(value[e.start : e.end])}, a lone surrogate, "
+                "not text"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _text(key, where)
+            _text(item, f"{where}: {shown(key)}")
+    elif isinstance(value, list):
+        for item in value:
+            _text(item, where)
 
 
 def _sampling(body, limits: Limits) -> None:
@@ -186,9 +208,10 @@ def _logit_bias(bias, vocab: int | None) -> None:
 
 def _output(body, limits: Limits) -> None:
     context = limits.context or INT32_MAX
-    _number(body, "max_tokens", 1, context, integer=True)
-    if body.get("max_completion_tokens") is not None:
+    if body.get("max_completion_tokens") is not None:  # mlx-lm reads it first
         _number(body, "max_completion_tokens", 1, context, integer=True)
+    else:
+        _number(body, "max_tokens", 1, context, integer=True)
     if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
         raise BadRequest(
             f"n must be 1 (one choice per request), got {shown(body['n'])}"

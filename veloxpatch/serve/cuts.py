@@ -37,9 +37,9 @@ class Cut(BaseException):
     """Ends a request's thread early. A BaseException so that mlx-lm's
     `except Exception` around `generate` (which answers 404) lets it through."""
 
-    def __init__(self, reason: str, tokens: int):
+    def __init__(self, reason: str, tokens: int, status: int = 503):
         super().__init__(reason)
-        self.reason, self.tokens = reason, tokens
+        self.reason, self.tokens, self.status = reason, tokens, status
 
 
 def client_gone(sock) -> bool:

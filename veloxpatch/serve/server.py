@@ -134,6 +134,20 @@ class Handler(APIHandler):
         self.end_headers()
         self.wfile.write(json.dumps({"error": message}).encode())
 
+    def do_POST(self):
+        # mlx-lm reads -1 as "until the client closes" and decodes the body
+        # outside its error handling: both left the client with no answer
+        length = self.headers.get("Content-Length")
+        if length is not None and length.strip().lstrip("-").isdigit():
+            if int(length) < 0:
+                self._send_error(400, "Content-Length must not be negative")
+                return
+        try:
+            super().do_POST()
+        except UnicodeDecodeError:
+            self._headers_buffer = []
+            self._send_error(400, "the request body is not UTF-8 text")
+
     def validate_model_parameters(self):
         # do_POST calls this for both endpoints with the parsed body, and
         # answers a ValueError (BadRequest is one) with 400 {"error": ...}
@@ -196,6 +210,10 @@ class Handler(APIHandler):
                 cut = e
             except (BrokenPipeError, ConnectionResetError):  # a stream's write
                 cut = Cut(CLIENT_GONE, w.tokens)
+            except Exception as e:  # raised by the generation: answer, not hang up
+                log.exception("request failed during generation")
+                reason = f"generation failed ({type(e).__name__}: {e})"
+                cut = Cut(reason, w.tokens, status=500)
             finally:
                 state.ledger.release(need)
             if cut is not None:
@@ -215,14 +233,15 @@ class Handler(APIHandler):
         if cut.reason == CLIENT_GONE:
             return
         message = f"{cut.reason}: request cut after {cut.tokens} generated tokens"
+        status = cut.status
         try:
             if getattr(self, "headers_sent", False):  # a stream: an error event
-                error = {"message": message, "type": "server_error", "code": 503}
+                error = {"message": message, "type": "server_error", "code": status}
                 self.wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
                 self.wfile.flush()
             else:  # mlx-lm's 200 headers are still only buffered: drop them
                 self._headers_buffer = []
-                self._send_error(503, message)
+                self._send_error(status, message)
         except OSError:
             pass
 
