@@ -151,6 +151,41 @@ def test_prompt_filters_are_the_prompt_queries_principal_direction():
         assert c.rows == 16
 
 
+def test_a_lone_token_prompt_still_gets_filters_and_stays_in_budget():
+    # one token is no prompt to end: the filters come from the queries seen
+    # so far once the rows first pass the budget (before, none ever came)
+    from helpers import greedy
+
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "qfilters", budget=8, window=2) as p:
+        caches = p.make_cache()
+        greedy(model, prompt_tokens(1), n=40, prompt_cache=caches)
+    assert all(c.filter is not None and c.rows == 8 for c in caches)
+
+
+def test_each_sequence_of_a_batch_has_its_own_filters():
+    # a sequence's kept rows and logits are those of the same prompt alone
+    model = tiny_model("llama")
+    prompts = mx.stack([prompt_tokens(24, seed=1), prompt_tokens(24, seed=2)])
+
+    def run(batch):
+        with veloxpatch.patched(model, "qfilters", budget=8, window=2) as p:
+            caches = p.make_cache()
+            model(batch[:, :23], cache=caches)
+            mx.eval([c.state for c in caches])  # mlx-lm's chunk, then one token
+            outs = [model(batch[:, 23:], cache=caches)]
+            for t in range(6):
+                step = mx.full((batch.shape[0], 1), 5 + t, mx.int32)
+                outs.append(model(step, cache=caches))
+        return mx.concatenate(outs, axis=1), caches
+
+    both, caches = run(prompts)
+    alone, solo = run(prompts[1:])
+    np.testing.assert_allclose(np.array(both[1]), np.array(alone[0]), atol=1e-4)
+    for c, s in zip(caches, solo):
+        assert mx.array_equal(c.positions_view()[1], s.positions_view()[0])
+
+
 def test_calibrate_on_a_model_with_sliding_window_layers(tmp_path):
     # Sliding-window layers keep mlx-lm's RotatingKVCache: the probe never sees
     # them, the file holds only the other layers, and the filters load and run.

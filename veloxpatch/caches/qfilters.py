@@ -7,7 +7,10 @@ decode. Without a file the filters come from the prompt's own queries: the
 second moment of every query is accumulated while the prompt runs, and at its
 end each head's filter is its top eigenvector, signed so that the mean query
 projects positively (the majority rule needs the vectors, the moment does
-not). Eviction therefore waits for the end of the prompt in that mode.
+not). Eviction therefore waits for the end of the prompt in that mode; a
+prompt too short to end one (a lone token) takes its filter from the queries
+seen so far once the rows first exceed the budget. Each sequence of a batch
+has its own filter, from its own queries.
 """
 
 from __future__ import annotations
@@ -60,18 +63,21 @@ class QFiltersCache(EvictingCache):
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)
-        self.moment = None  # on the fly: sum of q q^T per query head [Hq, D, D]
-        self.total = None  # and sum of q [Hq, D]
-        self.filter = None  # [Hkv, D]
+        self.moment = None  # on the fly: sum of q q^T per query head [B, Hq, D, D]
+        self.total = None  # and sum of q [B, Hq, D]
+        self.filter = None  # [Hkv, D] (a file's) or [B, Hkv, D] (the prompt's)
         if self.options.loaded is not None:
             self.filter = self.options.loaded[layer]
 
     def after_attend(self, q, new_rows):
         if self.options.filters is None:
-            q = q[0].astype(mx.float32)  # [Hq, L, D]
-            m, s = q.swapaxes(1, 2) @ q, q.sum(axis=1)
+            q = q.astype(mx.float32)  # [B, Hq, L, D]
+            m, s = q.swapaxes(2, 3) @ q, q.sum(axis=2)
             self.moment = m if self.moment is None else self.moment + m
             self.total = s if self.total is None else self.total + s
+            if self.filter is None and not self.in_prompt:
+                if self.rows > self.row_budget():  # no prompt has ended
+                    self.filter = self._prompt_filter()
         elif self.filter is None:  # options made without veloxpatch.apply
             raise OptionError("qfilters: the filters file was not loaded for a model")
         if self.filter is not None and self.rows > self.row_budget():
@@ -84,22 +90,24 @@ class QFiltersCache(EvictingCache):
                 self.evict_to(self.row_budget(), self.scores(None))
 
     def _prompt_filter(self) -> mx.array:
+        """[B, Hkv, D] each sequence's filters from its queries' moments."""
         with mx.stream(mx.cpu):  # eigh runs on the CPU only
             _, vecs = mx.linalg.eigh(self.moment)
-            v1 = vecs[..., -1]  # [Hq, D], the largest eigenvalue's
+            v1 = vecs[..., -1]  # [B, Hq, D], the largest eigenvalue's
             sign = mx.where((v1 * self.total).sum(-1) >= 0, 1.0, -1.0)
-            v1 = v1 * sign[:, None]
-            out = group_mean(v1, self.keys.shape[1])
+            v1 = v1 * sign[..., None]
+            out = mx.stack([group_mean(v, self.keys.shape[1]) for v in v1])
             mx.eval(out)
         return out
 
     def scores(self, q):
         keys, _ = self._view()
+        B, H, _, D = keys.shape
+        f = self.filter if self.filter.ndim == 3 else self.filter[None]
+        f = mx.broadcast_to(f[:, :, None, :], (B, H, 1, D)).astype(mx.float32)
         if hasattr(keys, "logits"):  # quantized rows, read in place (qview.py)
-            B, H, _, D = keys.shape
-            f = mx.broadcast_to(self.filter[None, :, None, :], (B, H, 1, D))
-            return keys.logits(f.astype(mx.float32))[:, :, 0].astype(mx.float32)
-        return (keys.astype(mx.float32) * self.filter[None, :, None, :]).sum(-1)
+            return keys.logits(f)[:, :, 0].astype(mx.float32)
+        return (keys.astype(mx.float32) * f).sum(-1)
 
     def extra_state(self):
         names = ("filter", "moment", "total")
@@ -108,6 +116,8 @@ class QFiltersCache(EvictingCache):
     def load_extra_state(self, st):
         for n in ("filter", "moment", "total"):
             setattr(self, n, st.get(n))
+        if self.moment is not None and self.moment.ndim == 3:  # saved before batches
+            self.moment, self.total = self.moment[None], self.total[None]
 
     def side_arrays(self):
         side = super().side_arrays()
