@@ -180,12 +180,19 @@ def test_retrieval_is_the_union_of_each_heads_top_rows(book_file, with_book):
         caches = patch.make_cache()
         model(ids[None, :199], cache=caches)
         patch.end_prompt(caches)
+        c, seen = caches[1], {}
+        attend = c._attention
+
+        def watched(q, keys, *args):  # the call's rotated queries live in it only
+            seen.update(q_far=c._q_far, keys=keys, retrieved=c.retrieve(keys))
+            return attend(q, keys, *args)
+
+        c._attention = watched
         model(ids[None, 199:], cache=caches)
-        c = caches[1]
-        keys, _ = c._view()
-        rows, valid = c.retrieve(keys)
+        assert c._q_far is None  # not held after the call
+    keys, (rows, valid) = seen["keys"], seen["retrieved"]
     B, Hkv, T, D = keys.shape
-    qf = np.array(c._q_far).reshape(Hkv, -1, D)  # the last call's rotated queries
+    qf = np.array(seen["q_far"]).reshape(Hkv, -1, D)  # the decode call's, rotated
     k = np.array(keys[0])
     if with_book:
         lut = np.einsum("hgd,hcd->hgc", qf, np.array(c.book["centroids"]))

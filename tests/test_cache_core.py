@@ -47,7 +47,8 @@ def kept(cache):
 
 
 def row_bytes(cache):
-    return (KEYS.dtype.size * D * 2 + 4) * HKV
+    side = cache.options.row_side_bytes(1)  # knorm's norm of each row
+    return (KEYS.dtype.size * D * 2 + 4 + side) * HKV
 
 
 chunkings = st.lists(st.integers(1, 20), min_size=0, max_size=6).filter(

@@ -261,6 +261,28 @@ def test_bytes_stay_bounded_over_a_long_decode(algo, opts):
         assert all(c.rows <= c.row_bound() for c in caches)
 
 
+@pytest.mark.parametrize("algo,opts", variants())
+def test_nbytes_counts_every_array_a_cache_holds(algo, opts):
+    # what a cache keeps between calls (rows, scores, buffered queries,
+    # statistics) is in nbytes, and so in max_kv_bytes; a file's calibration
+    # data (filters, scorers, codebooks) is the model's, shared by its caches
+    model = tiny_model("llama", head_dim=HEAD_DIM, num_hidden_layers=2)
+    opts = resolve_options(model, opts)
+    with veloxpatch.patched(model, algo=algo, **opts) as patch:
+        caches = patch.make_cache()
+        greedy(model, prompt_tokens(60), n=6, prompt_cache=caches)
+    shared = {id(a) for c in caches for a in (getattr(c.options, "loaded", None) or [])}
+    for c in caches:
+        held = {id(a) for a in c.held_arrays()}
+        kept = [
+            name
+            for name, a in vars(c).items()
+            if isinstance(a, mx.array) and a.size and id(a) not in shared
+        ]
+        assert [n for n in kept if id(getattr(c, n)) not in held] == []
+        assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
+
+
 # Values no option accepts: wrong types, NaN, infinities, huge negatives.
 BAD_VALUES = ["bogus-value", math.nan, math.inf, -math.inf, [1], -(10**9)]
 

@@ -8,9 +8,15 @@ import veloxpatch
 from veloxpatch.caches.kv_budget import parse_size
 from veloxpatch.errors import OptionError, UnsupportedCacheOperation
 
-# tiny llama, head dim 32, float32: 3 layers x 2 KV heads
+# tiny llama, head dim 32, float32: 3 layers x 2 KV heads (4 query heads)
 LAYERS_HEADS = 3 * 2
 DENSE_ROW = 2 * 32 * 4 + 4  # keys and values, and a position
+
+
+def window_queries(window: int) -> int:
+    """The bytes of snapkv's buffered queries in every layer: query heads x
+    window x head dim, float32."""
+    return 3 * 4 * window * 32 * 4
 
 
 def budget_of(algo, **opts):
@@ -45,27 +51,39 @@ def test_bad_sizes_are_one_line_errors(bad):
     assert "\n" not in str(e.value) and "max_kv_bytes" in str(e.value)
 
 
-@pytest.mark.parametrize("algo,extra", [("h2o", 0), ("tova", 0), ("snapkv", 4)])
-def test_dense_rows_convert_exactly(algo, extra):
+@pytest.mark.parametrize(
+    "algo,extra,row_side,side",
+    [
+        ("h2o", 0, 4, 0),  # each row's accumulated attention
+        ("tova", 0, 0, 0),
+        ("snapkv", 4, 0, window_queries(4)),  # its window's rows and queries
+    ],
+)
+def test_dense_rows_convert_exactly(algo, extra, row_side, side):
     opts = dict(window=4) if algo == "snapkv" else {}
-    per_row = DENSE_ROW * LAYERS_HEADS  # one row in every layer and KV head
+    per_row = (DENSE_ROW + row_side) * LAYERS_HEADS  # a row in every layer and head
     for budget in (40, 41, 100):
-        held = per_row * (budget + extra)  # snapkv also holds its window
+        held = per_row * (budget + extra) + side
         assert budget_of(algo, max_kv_bytes=held, **opts) == budget
         assert budget_of(algo, max_kv_bytes=held - 1, **opts) == budget - 1
         assert budget_of(algo, max_kv_bytes=f"{held}B", **opts) == budget
 
 
 def quantized_bound(budget):
-    """kv_bits=4, group 32, residual 8, head dim 32, float32 (kv_budget's rule)."""
+    """kv_bits=4, group 32, residual 8, head dim 32, float32 (kv_budget's rule);
+    h2o's rows also hold their accumulated attention."""
     slots = budget + max(32, budget // 4)  # rows and holes not yet compacted
     full = min(slots, 8 + 31)  # the residual, full precision
     quant = 2 * 32 * 4 // 8 + 4 * 32 * 4 // 32  # codes, scales and biases
-    return LAYERS_HEADS * (full * (2 * 32 * 4) + (slots - full) * quant + 8 * budget)
+    # a position, a slot and the accumulated attention of each row
+    per_row = 8 + 4
+    return LAYERS_HEADS * (
+        full * (2 * 32 * 4) + (slots - full) * quant + per_row * budget
+    )
 
 
 def test_quantized_rows_convert_exactly():
-    assert quantized_bound(64) == 79392  # worked by hand: see the docstring
+    assert quantized_bound(64) == 80928  # worked by hand: see the docstring
     for budget in (40, 64, 200):
         limit = quantized_bound(budget)
         opts = dict(kv_bits=4, kv_residual=8)
@@ -115,7 +133,13 @@ def test_bytes_held_stay_within_max_kv_bytes(algo, opts):
         (dict(max_kv_bytes="100KB", budget=64), "budget or max_kv_bytes, not both"),
         (dict(max_kv_bytes=2_000), "buys 0 rows"),
         # 10 rows and the window of 16 it holds while decoding: 10 <= 16 protected
-        (dict(max_kv_bytes=DENSE_ROW * LAYERS_HEADS * 26, window=16), "protected"),
+        (
+            dict(
+                max_kv_bytes=DENSE_ROW * LAYERS_HEADS * 26 + window_queries(16),
+                window=16,
+            ),
+            "protected",
+        ),
     ],
 )
 def test_bad_budgets_are_clear_errors_that_change_nothing(opts, match):

@@ -151,8 +151,9 @@ def test_pyramidkv_layers_hold_different_rows():
     rows = [c.rows for c in caches]
     assert rows == pyramid_budgets(20, 4, 4, 20.0) and len(set(rows)) == 4
     assert sum(rows) == 20 * 4
-    per_row = caches[0].nbytes // rows[0]
-    assert sum(c.nbytes for c in caches) == 20 * 4 * per_row
+    window_queries = 4 * 4 * 16 * 4  # 4 query heads x window x D, float32
+    per_row = (caches[0].nbytes - window_queries) // rows[0]
+    assert sum(c.nbytes - window_queries for c in caches) == 20 * 4 * per_row
 
 
 def test_head_budgets_formula():
@@ -178,7 +179,8 @@ def test_adakv_heads_differ_and_layer_total_is_budget():
         real = (pos < 2**31 - 1).sum(-1)
         assert real.sum() == 20 * HKV
         assert c.rows == real.max()  # padded to the largest head
-        assert c.nbytes == c.rows * HKV * (2 * 16 * 4 + 4)
+        window_queries = 4 * 4 * 16 * 4  # 4 query heads x window x D, float32
+        assert c.nbytes == c.rows * HKV * (2 * 16 * 4 + 4) + window_queries
     assert any(
         len(set((np.array(c.positions_view())[0] < 2**31 - 1).sum(-1))) > 1
         for c in caches

@@ -162,6 +162,12 @@ class A2ATSCache(VeloxCache):
 
     # ---- attention ----------------------------------------------------------------
     def attention(self, q, keys, values, mask, scale):
+        try:
+            return self._attention(q, keys, values, mask, scale)
+        finally:
+            self._q_far = None  # the call's own: not held between calls
+
+    def _attention(self, q, keys, values, mask, scale):
         o, T = self.options, keys.shape[2]
         if q.shape[2] == 1 and self.decoding and T - o.window > o.sinks:
             return self._retrieved(q, keys, values, scale)
@@ -252,9 +258,6 @@ class A2ATSCache(VeloxCache):
         return self._attend(q, k_near, k_sel, v_sel, rows, valid, scale)
 
     # ---- contract -----------------------------------------------------------------
-    def held_arrays(self):
-        return super().held_arrays() + ([] if self.codes is None else [self.codes])
-
     def extra_state(self):
         # the codebook travels with the codes, so a loaded cache needs no model
         book = {f"book.{k}": v for k, v in (self.book or {}).items()}

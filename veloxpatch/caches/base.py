@@ -316,6 +316,10 @@ class VeloxCache(RowStorage):
         for n in self.row_arrays:
             setattr(self, n, st.get(n))
 
+    def held_arrays(self) -> list:
+        rows = (getattr(self, n) for n in self.row_arrays)  # each row's side state
+        return super().held_arrays() + [a for a in rows if a is not None]
+
     def truncate_rows(self, n: int) -> None:
         super().truncate_rows(n)
         self.truncate_row_arrays(n)

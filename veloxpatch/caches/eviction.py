@@ -117,12 +117,14 @@ class EvictionOptions(CacheOptions):
         chunk = self.prompt_chunk()
         return None if chunk is None else max(chunk, self.decode_extra_rows())
 
-    def side_bytes(self, heads: int, head_dim: int) -> int:
-        """Bytes a layer holds besides its rows, counted in nbytes (per sequence)."""
+    def side_bytes(self, heads: int, head_dim: int, dtype_size: int) -> int:
+        """Bytes a layer holds besides its rows, counted in nbytes (per
+        sequence): query buffers, statistics."""
         return 0
 
-    def row_side_bytes(self) -> int:
-        """Bytes each held row costs besides its key, value and position."""
+    def row_side_bytes(self, group: int) -> int:
+        """Bytes each held row costs per KV head besides its key, value and
+        position (its score...; `group`: query heads per KV head)."""
         return 0
 
     def recent_rows(self) -> int:

@@ -59,7 +59,7 @@ class ExpectedAttentionOptions(PromptCompressionOptions):
     def decode_extra_rows(self):
         return self.window  # new rows held until the next recompression
 
-    def side_bytes(self, heads, head_dim):
+    def side_bytes(self, heads, head_dim, dtype_size):
         return heads * (head_dim + head_dim**2) * 4  # float32 mean, covariance
 
     def __post_init__(self):

@@ -32,6 +32,9 @@ class H2OOptions(EvictionOptions):
     def recent_rows(self):
         return self.recent
 
+    def row_side_bytes(self, group):
+        return 4  # each row's accumulated attention, float32
+
 
 class H2OCache(ProbabilityCache):
     name = "h2o"

@@ -25,6 +25,9 @@ class KNormOptions(EvictionOptions):
     def recent_rows(self):
         return self.recent
 
+    def row_side_bytes(self, group):
+        return 4  # each row's key norm, float32
+
     def __post_init__(self):
         if self.recent is None:
             self.recent = self.half_left_by_sinks()

@@ -22,8 +22,10 @@ prompt, the others the caller's prefill chunk, on top of the budget.
   `kv_dense`), plus 8 bytes per row (its position and its slot).
   Adaptive widths count their mean, `target_bits`.
 
-Plus what a layer holds besides its rows (`side_bytes`: expected_attention's
-query mean and covariance).
+Plus what a layer holds besides its rows (`side_bytes`: the SnapKV family's,
+kvzip's and kvzap's buffered queries, expected_attention's query mean and
+covariance, qfilters' query moments) and per row (`row_side_bytes`: scores,
+accumulated attention, key norms).
 
 Sliding-window layers keep mlx-lm's own caches and are not counted. Ada-KV
 pads every head to the layer's largest head: that padding depends on the
@@ -117,9 +119,9 @@ def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:
     for heads, kv_heads, d, sliding in layers:
         if sliding:
             continue
-        total += options.side_bytes(heads, d)
+        total += options.side_bytes(heads, d, dtype_size)
         dense = slot_bytes(options, d, dtype_size, False)
-        side = options.row_side_bytes()
+        side = options.row_side_bytes(heads // kv_heads)
         if options.kv_bits is None:
             per_head = r * (dense + 4 + side)
         else:

@@ -98,8 +98,13 @@ class KVzapOptions(EvictionOptions):
     def prompt_chunk(self):
         return self.chunk
 
-    def row_side_bytes(self):
+    def row_side_bytes(self, group):
         return 4  # each row's float32 score
+
+    def side_bytes(self, heads, head_dim, dtype_size):
+        # the decode window's and the tail's queries, the tail's attention inputs
+        queries = heads * (self.window + self.tail) * head_dim
+        return (queries + self.tail * (self.hidden or heads * head_dim)) * dtype_size
 
     @property
     def capped(self) -> bool:
@@ -130,6 +135,7 @@ class KVzapOptions(EvictionOptions):
             )
         super().__post_init__()
         self.loaded = None  # per layer {w1, b1[, w2, b2]}, once bound to a model
+        self.hidden = None  # the width of the attention input, once bound
 
     def bind(self, model, dims):
         """Load and check the scorer file against `model` (before patching)."""
@@ -146,7 +152,8 @@ class KVzapOptions(EvictionOptions):
                 "process; on a pipeline-split model use layerwise=True or a "
                 "threshold"
             )
-        self.loaded = load_scorer(self.scorer, dims, hidden_size(model))
+        self.hidden = hidden_size(model)
+        self.loaded = load_scorer(self.scorer, dims, self.hidden)
         return super().bind(model, dims)
 
 
@@ -194,7 +201,7 @@ class KVzapCache(EvictingCache):
         self.decode_queries = None  # budget mode: the last `window` decode queries
         # budget mode: the prompt's newest `tail` queries and their attention inputs
         self.tail_queries = self.tail_x = None
-        self.wo_gram = None  # W_o^T W_o per query head (KVzip+ weights)
+        self.o_proj = None  # the layer's output projection (KVzip+ weights)
         # the scores the surrogate predicts, which the tail's must match
         self.target = getattr(self.options.loaded, "target", "kvzip+")
         self.tail_scores = None  # [B, Hkv, rows] during a model-wide choice
@@ -213,8 +220,7 @@ class KVzapCache(EvictingCache):
             )
         x, o_proj = self.layer_input
         self.pending = surrogate_scores(self.scorer, x)
-        if self.options.tail and self.wo_gram is None and self.target == "kvzip+":
-            self.wo_gram = output_gram(o_proj, q.shape[1])
+        self.o_proj = o_proj
         return super().attend(q, k, v, rope=rope, scale=scale, query_scale=query_scale)
 
     def after_attend(self, q, new_rows):
@@ -327,7 +333,8 @@ class KVzapCache(EvictingCache):
             _, values = self._view()
             if hasattr(values, "rows_dense"):  # quantized rows
                 _, values = values.rows_dense()
-            w = plus_scores(probs, values, self.tail_x[:, -n:], self.wo_gram)
+            gram = output_gram(self.o_proj, probs.shape[2] * probs.shape[1])
+            w = plus_scores(probs, values, self.tail_x[:, -n:], gram)
         self.tail_scores = mx.log(mx.maximum(w, 1e-30))
 
     def row_scores(self) -> mx.array:
@@ -350,7 +357,8 @@ class KVzapCache(EvictingCache):
         return held.mean().item() / self.entered
 
     def held_arrays(self):
-        return super().held_arrays() + ([] if self.zscore is None else [self.zscore])
+        held = (self.decode_queries, self.tail_queries, self.tail_x)
+        return super().held_arrays() + [a for a in held if a is not None]
 
     def side_arrays(self):
         held = (self.decode_queries, self.tail_queries, self.tail_x)

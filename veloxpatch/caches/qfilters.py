@@ -36,6 +36,11 @@ class QFiltersOptions(EvictionOptions):
     def recent_rows(self):
         return self.window
 
+    def side_bytes(self, heads, head_dim, dtype_size):
+        if self.filters is not None:
+            return 0  # the file's filters are the model's, not a sequence's
+        return heads * (head_dim * head_dim + 2 * head_dim) * 4  # moments, filter
+
     def __post_init__(self):
         check_int("window", self.window, 0)
         if self.filters is not None:
@@ -122,3 +127,9 @@ class QFiltersCache(EvictingCache):
     def side_arrays(self):
         side = super().side_arrays()
         return side + [self.moment, self.total] if self.moment is not None else side
+
+    def held_arrays(self):
+        own = (self.moment, self.total) + (
+            () if self.options.filters else (self.filter,)
+        )
+        return super().held_arrays() + [a for a in own if a is not None]

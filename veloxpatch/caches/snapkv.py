@@ -43,6 +43,9 @@ class SnapKVOptions(PromptCompressionOptions):
     lookahead: int = 0
     answer_weight: float = 1.0
 
+    def side_bytes(self, heads, head_dim, dtype_size):
+        return heads * (self.window + self.lookahead) * head_dim * dtype_size
+
     def recent_rows(self):
         return self.window + self.lookahead
 
@@ -165,6 +168,10 @@ class SnapKVCache(EvictingCache):
     def side_arrays(self):
         side = super().side_arrays()
         return side + [self.window_queries] if self.window_queries is not None else side
+
+    def held_arrays(self):
+        held = super().held_arrays()
+        return held + [self.window_queries] if self.window_queries is not None else held
 
     # ---- scoring -----------------------------------------------------------------
     def _limit(self) -> int:

@@ -24,6 +24,10 @@ class TOVACache(ProbabilityCache):
     def observe(self, logits, probs, queries):
         self.last_probs = probs[:, :, :, -1, :]  # [B, Hkv, G, T]
 
+    def after_attend(self, q, new_rows):
+        super().after_attend(q, new_rows)
+        self.last_probs = None  # read by this call's eviction only: not held
+
     def scores(self, q):
         B, Hkv, _, T = self.last_probs.shape
         # over every query head of the layer, those of other ranks included

@@ -103,8 +103,11 @@ class KVzipOptions(EvictionOptions):
     def recent_rows(self):
         return self.recent
 
-    def row_side_bytes(self):
+    def row_side_bytes(self, group):
         return 4  # each kept row's float32 score (a later prompt is chosen again)
+
+    def side_bytes(self, heads, head_dim, dtype_size):
+        return heads * (self.window + self.tail) * head_dim * dtype_size  # queries
 
     def check_context(self, dims, dtype_size, n_tokens):
         # the reconstruction pass scores the whole context at full precision,
@@ -175,7 +178,6 @@ class KVzipCache(EvictingCache):
         self.context_rows = None  # rows kept by the compression, per head max
         self.context_end = None  # positions below it are the compressed context
         self.compressed_ends = -1  # the prompt end the compression served
-        self.wo_gram = None  # [Hq, D, D] W_o^T W_o per query head, for KVzip+
         self.decode_queries = None  # last `window` decode queries [B, Hq, n, D]
         self.decode_rows = None  # rows kept at each decode recompression
         self.tail_queries = None  # the context's last `tail` queries [B, Hq, n, D]
@@ -291,9 +293,8 @@ class KVzipCache(EvictingCache):
         if not self.options.plus:
             return probs.max(axis=(2, 3))
         x, o_proj = self.layer_input
-        if self.wo_gram is None:
-            self.wo_gram = output_gram(o_proj, probs.shape[1] * probs.shape[2])
-        return plus_scores(probs, values, x[:, queries], self.wo_gram)
+        gram = output_gram(o_proj, probs.shape[1] * probs.shape[2])
+        return plus_scores(probs, values, x[:, queries], gram)
 
     def _raise_scores(self, new: mx.array, start: int) -> None:
         B, H, n = new.shape
@@ -388,7 +389,8 @@ class KVzipCache(EvictingCache):
         return padded_to(self.zscore, self.rows)[..., : self.rows]
 
     def held_arrays(self):
-        return super().held_arrays() + ([] if self.zscore is None else [self.zscore])
+        held = (self.decode_queries, self.tail_queries)  # (zscore: a row array)
+        return super().held_arrays() + [a for a in held if a is not None]
 
     # ---- decode: the compressed size plus `window` generated rows ------------------
     @property

@@ -4,14 +4,29 @@ what the pair adds to the residual stream relative to it."""
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
+
+# (id of an output projection, query heads) -> (the projection, its weight, gram)
+_GRAMS: dict[tuple[int, int], tuple] = {}
 
 
 def output_gram(o_proj, n_query_heads: int) -> mx.array:
-    """[Hq, D, D] W_o^T W_o of each query head's slice of the output projection."""
+    """[Hq, D, D] W_o^T W_o of each query head's slice of the output projection,
+    made once per projection (and its weight) and shared by every cache of the
+    layer: it is the model's, not a sequence's state."""
+    key = (id(o_proj), n_query_heads)
+    hit = _GRAMS.get(key)
+    if hit is not None and hit[0]() is o_proj and hit[1] is o_proj.weight:
+        return hit[2]
     w = _dense_weight(o_proj).astype(mx.float32)  # [hidden, Hq * D]
     w = w.reshape(w.shape[0], n_query_heads, -1)
-    return mx.einsum("nhd,nhe->hde", w, w)
+    gram = mx.einsum("nhd,nhe->hde", w, w)
+    mx.eval(gram)
+    gone = weakref.ref(o_proj, lambda _, key=key: _GRAMS.pop(key, None))
+    _GRAMS[key] = (gone, o_proj.weight, gram)
+    return gram
 
 
 def plus_scores(probs, values, x, gram) -> mx.array:
