@@ -102,9 +102,9 @@ class KVzapOptions(EvictionOptions):
         return 4  # each row's float32 score
 
     def side_bytes(self, heads, head_dim, dtype_size):
-        # the decode window's and the tail's queries, the tail's attention inputs
-        queries = heads * (self.window + self.tail) * head_dim
-        return (queries + self.tail * (self.hidden or heads * head_dim)) * dtype_size
+        # the decode window's queries (the tail's queries and inputs are held
+        # only while the prompt is read, which the decode bound leaves out)
+        return heads * self.window * head_dim * dtype_size
 
     @property
     def capped(self) -> bool:
@@ -135,7 +135,6 @@ class KVzapOptions(EvictionOptions):
             )
         super().__post_init__()
         self.loaded = None  # per layer {w1, b1[, w2, b2]}, once bound to a model
-        self.hidden = None  # the width of the attention input, once bound
 
     def bind(self, model, dims):
         """Load and check the scorer file against `model` (before patching)."""
@@ -152,8 +151,7 @@ class KVzapOptions(EvictionOptions):
                 "process; on a pipeline-split model use layerwise=True or a "
                 "threshold"
             )
-        self.hidden = hidden_size(model)
-        self.loaded = load_scorer(self.scorer, dims, self.hidden)
+        self.loaded = load_scorer(self.scorer, dims, hidden_size(model))
         return super().bind(model, dims)
 
 

@@ -107,7 +107,8 @@ class KVzipOptions(EvictionOptions):
         return 4  # each kept row's float32 score (a later prompt is chosen again)
 
     def side_bytes(self, heads, head_dim, dtype_size):
-        return heads * (self.window + self.tail) * head_dim * dtype_size  # queries
+        # the decode window's queries (the tail's are gone once the prompt ends)
+        return heads * self.window * head_dim * dtype_size
 
     def check_context(self, dims, dtype_size, n_tokens):
         # the reconstruction pass scores the whole context at full precision,
