@@ -192,6 +192,42 @@ def test_eviction_leaves_holes_then_compaction_keeps_whole_groups_exact():
     assert cache.positions_view().tolist() == idx.tolist()
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(kv_keys="token", kv_qjl=True),
+        dict(kv_keys="token", kv_grid="gaussian"),
+        dict(kv_grid="gaussian"),
+    ],
+)
+def test_compaction_keeps_rows_stored_per_token_as_they_were_quantized(extra):
+    # Values, and keys per token (their QJL signs too), are quantized a row at a
+    # time: regrouping survivors of broken groups moves their codes as they are.
+    # (Requantizing the dequantized rows baked the QJL estimate into the keys and
+    # moved Gaussian-grid codes, an error that grew with every compaction.)
+    opts = dict(budget=64, kv_bits=4, kv_residual=0, **extra)
+    cls, opts = make_options("streaming_llm", opts)
+    cache = cls.for_options(opts)(opts)
+    mx.random.seed(4)
+    k, v = mx.random.normal((1, 2, 112, 32)), mx.random.normal((1, 2, 112, 32))
+    cache._append(k, v, 0)
+    cache._settle()
+    bk, bv = dense_slots(cache._view()[0])
+    # head 1 keeps parts of groups 1 and 2: its rows 32-63 are regrouped
+    idx = mx.array([[list(range(70)), list(range(32)) + list(range(40, 78))]])
+    cache.keep_rows(idx)
+    cache._compact()
+    assert cache.quantized == 64
+    ak, av = dense_slots(cache._view()[0])
+    for after, before, per_token in ((ak, bk, "kv_keys" in extra), (av, bv, True)):
+        got = mx.take_along_axis(after, cache.slot[..., None], 2)[0, 1, :64]
+        want = mx.take_along_axis(before, idx[..., None], 2)[0, 1, :64]
+        if per_token:
+            assert mx.array_equal(got, want)
+        else:  # keys per channel share a grid with another group's rows now
+            assert 0 < rel(got, want) < 0.3
+
+
 @pytest.mark.parametrize("algo", ["h2o", "snapkv", "knorm", "adakv"])
 def test_quantized_eviction_masks_exactly_the_evicted_rows(algo):
     # At every attention call the slots attention can see are exactly the rows

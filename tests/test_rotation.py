@@ -386,7 +386,9 @@ def test_a_rebuilt_rotated_store_holds_the_rows_it_was_given(keys):
     store.append(rows_k, values)
     dk, dv = store.dequantize(mx.float32)
     exact = mx.array([[[True, False], [False, False]]])  # one group kept as it is
-    store.rebuild(dk, dv, exact, mx.array([[[0, 1], [0, 1]]]))
+    new = [64] * (64 - GROUP)  # rows from outside the old ones
+    src = mx.array([[list(range(GROUP)) + new, [64] * 64]])  # (its rows)
+    store.rebuild(dk, dv, exact, mx.array([[[0, 1], [0, 1]]]), src)
     back_k, back_v = store.dequantize(mx.float32)
     assert rel(back_k, rows_k) < 0.2 and rel(back_v, values) < 0.2
     assert mx.array_equal(back_k[0, 0, :GROUP], dk[0, 0, :GROUP])  # kept exactly

@@ -10,12 +10,13 @@ Eviction on quantized rows: the algorithm keeps any rows per head, as before
 (its side arrays follow its rows); the storage only forgets the evicted rows'
 slots (`slot`: row -> slot), which become holes that attention masks. Nothing
 is moved or requantized until the holes exceed max(group, rows / HOLE_SHARE);
-then `_compact` lays every head's rows out again: quantized groups whose rows
-all survived are kept as they are (gathered per head, exact), the survivors of
-the other groups are requantized together in new groups (a second rounding of
-values quantized once: the price of evicting from a group), the newest rows
-stay in the residual, and the holes are gone. Until anything is quantized,
-eviction gathers the dense rows exactly.
+then `_compact` lays every head's rows out again: what is stored a row per
+token (values; keys with `kv_keys="token"`, their QJL signs too) moves as it
+is, keys per channel keep the groups whose rows all survived (gathered per
+head, exact) and the survivors of the other groups are requantized together in
+new groups (a second rounding of keys quantized once: the price of evicting
+from a group), the newest rows stay in the residual, and the holes are gone.
+Until anything is quantized, eviction gathers the dense rows exactly.
 
 `kv_bits="adaptive"` keeps the prompt in full precision until it ends, then
 gives each KV head 2, 3 or 4 bits from the entropy of its real attention over
@@ -223,7 +224,8 @@ class QuantizedKV:
         firsts = mx.arange(0, new_tq, g, dtype=mx.int32)
         exact = firsts // g < n_intact[..., None]
         gid = mx.take_along_axis(src, mx.broadcast_to(firsts, (B, H, new_tq // g)), -1)
-        self.store.rebuild(keys[:, :, :new_tq], values[:, :, :new_tq], exact, gid // g)
+        new_k, new_v = keys[:, :, :new_tq], values[:, :, :new_tq]
+        self.store.rebuild(new_k, new_v, exact, gid // g, src[..., :new_tq])
         self.keys, self.values = keys[:, :, new_tq:], values[:, :, new_tq:]
         self.slot = None
         if tq:

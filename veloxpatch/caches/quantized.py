@@ -385,28 +385,37 @@ class QuantizedRows:
             out[name] = (mx.take_along_axis(a, idx, axis=axis), axis)
         self._from_groups(out)
 
-    def rebuild(self, k, v, exact: mx.array, gid: mx.array) -> None:
-        """Replace the rows by k, v [B, H, n, D] quantized, except that group j
-        of head h is the old group gid[b, h, j] unchanged where exact[b, h, j]
+    def rebuild(self, k, v, exact: mx.array, gid: mx.array, src: mx.array) -> None:
+        """Replace the rows by k, v [B, H, n, D] quantized, except what is
+        already quantized: an array stored a row per token keeps old row
+        src[b, h, i] as it was where src < the old rows (so values, and keys
+        per token with their QJL signs, are quantized once, never twice), and
+        an array per channel keeps old group gid[b, h, j] where exact[b, h, j]
         (its rows are exactly that group's, in order)."""
         old = self._by_group() if self.vw is not None else None
+        old_rows = {n: getattr(self, n) for n in self._per_token()}
+        T = self.rows
         self._empty()
         if k.shape[2] == 0:
             return
         self.append(k, v)
         if old is None:
             return
+        take = mx.minimum(src, T - 1)[..., None]
+        from_old = (src < T)[..., None]
+        for name in set(self._per_token()) & set(self._held()):
+            kept = mx.take_along_axis(old_rows[name], take, axis=2)
+            setattr(self, name, mx.where(from_old, kept, getattr(self, name)))
+        if self.keys == "token":
+            return
         new = self._by_group()
         gid = mx.minimum(gid, old["vw"][0].shape[2] - 1)
         out = {}
         for name, (a, axis) in new.items():
-            o = old[name][0]
-            if axis == 3:
+            if axis == 3:  # keys per channel: whole groups only
+                o = old[name][0]
                 kept = mx.take_along_axis(o, gid[:, :, None, :, None], axis=3)
                 out[name] = (mx.where(exact[:, :, None, :, None], kept, a), 3)
-            else:
-                kept = mx.take_along_axis(o, gid[..., None], axis=2)
-                out[name] = (mx.where(exact[..., None], kept, a), 2)
         self._from_groups(out)
 
     def truncate(self, rows: int) -> None:
@@ -583,14 +592,15 @@ class QuantizedStore:
         if self.sinks:  # only eviction regroups rows, and kivi never evicts
             raise ValueError("quantized rows with dense sinks cannot be regrouped")
 
-    def rebuild(self, k, v, exact, gid) -> None:
-        """The quantized rows replaced as `QuantizedRows.rebuild` does; the
+    def rebuild(self, k, v, exact, gid, src) -> None:
+        """The quantized rows replaced as `QuantizedRows.rebuild` does (`src`:
+        the old quantized row of each new one, counted after the sinks); the
         sinks ahead of them stay."""
         if self.signs is not None and k.shape[2]:  # unrotated rows in, as `append`
             k, v = self._keys_in(k), rotate(v, self.signs)
-        split = zip(self.parts, *(self._split(x) for x in (k, v, exact, gid)))
-        for part, kh, vh, eh, gh in split:
-            part.rebuild(kh, vh, eh, gh)
+        split = zip(self.parts, *(self._split(x) for x in (k, v, exact, gid, src)))
+        for part, kh, vh, eh, gh, sh in split:
+            part.rebuild(kh, vh, eh, gh, sh)
 
     def kept_rows(self, n: int) -> int:
         """The rows `truncate` keeps to hold the first n: the sinks exactly,
