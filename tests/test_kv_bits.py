@@ -5,6 +5,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import greedy
 from oracle import oracle_logits, run_patched
 from tiny import prompt_tokens, tiny_model
 
@@ -150,6 +151,23 @@ def test_adaptive_widths_come_at_the_end_of_the_prompt(algo, opts):
     flat = [b for w in widths for b in w]
     assert set(flat) <= {2, 3, 4} and np.mean(flat) == 2.5
     assert len(set(flat)) > 1
+
+
+@pytest.mark.parametrize("prompt", [1, 2])
+def test_adaptive_widths_come_without_a_prompt_end_too(prompt):
+    # mlx-lm sends a 1- or 2-token prompt as lone tokens, which never end a
+    # prompt: the widths come once a group is past the residual (the rows stayed
+    # in full precision, over any byte budget, for the whole generation)
+    model = tiny_model("qwen3", head_dim=32, num_hidden_layers=4)
+    ids = prompt_tokens(prompt)
+    opts = dict(bits="adaptive", target_bits=3, residual=4)
+    with veloxpatch.patched(model, "kivi", **opts) as patch:
+        caches = patch.make_cache()
+        greedy(model, ids, n=60, prompt_cache=caches)
+        widths = [c.store.bits for c in caches if c.store is not None]
+        assert all(c.quantized >= 32 and c.keys.shape[2] < 4 + 32 for c in caches)
+    flat = [b for w in widths for b in w]
+    assert len(widths) == 4 and set(flat) <= {2, 3, 4} and np.mean(flat) == 3
 
 
 @pytest.mark.parametrize(

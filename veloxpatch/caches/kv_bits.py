@@ -20,7 +20,9 @@ Until anything is quantized, eviction gathers the dense rows exactly.
 
 `kv_bits="adaptive"` keeps the prompt in full precision until it ends, then
 gives each KV head 2, 3 or 4 bits from the entropy of its real attention over
-the last prompt window (`kv_options.allocate_bits`), and quantizes.
+the last prompt window (`kv_options.allocate_bits`), and quantizes. A prompt
+of lone tokens never ends (mlx-lm sends a 1- or 2-token prompt so): then the
+widths come from the tokens so far once a group is past the residual.
 """
 
 from __future__ import annotations
@@ -265,14 +267,18 @@ class QuantizedKV:
         if self._adaptive and self.store is None and self.window_q is not None:
             entropy = self.head_entropy()  # of the attention the prompt really had
             super().end_prompt()
-            # the layer's heads share the bits, those of other ranks included
-            total = layer_total(self.options.target_bits, len(entropy), self.layer)
-            bits = allocate_bits(entropy, total)[self.shards.head_slice(len(entropy))]
-            self.store = self._new_store(bits)
-            self.window_q = None
+            self._choose_widths(entropy)
         else:
             super().end_prompt()
         self._settle()
+
+    def _choose_widths(self, entropy: list[float]) -> None:
+        """Adaptive: an empty store whose heads' widths follow `entropy`."""
+        # the layer's heads share the bits, those of other ranks included
+        total = layer_total(self.options.target_bits, len(entropy), self.layer)
+        bits = allocate_bits(entropy, total)[self.shards.head_slice(len(entropy))]
+        self.store = self._new_store(bits)
+        self.window_q = None
 
     def head_entropy(self) -> list[float]:
         """Entropy of each KV head's attention (mean over the window's queries and
@@ -295,9 +301,14 @@ class QuantizedKV:
         ):
             self._compact()
         if self.store is None:
-            if self._adaptive or self.keys is None:
+            if self.keys is None:
+                return
+            if not self._adaptive:
+                self.store = self._new_store((o.kv_bits,) * self.keys.shape[1])
+            elif self._widths_due():  # decoding with no prompt before it
+                self._choose_widths(self.head_entropy())
+            else:
                 return  # adaptive: widths are chosen when the prompt ends
-            self.store = self._new_store((o.kv_bits,) * self.keys.shape[1])
         n = self.store.to_fill(self.keys.shape[2] - o.kv_residual)
         if n > 0:
             if self.query_power is not None:  # the first group's scales use them
@@ -310,6 +321,14 @@ class QuantizedKV:
             # from every query so far: a trim cannot take those back
             self.irreversible_at = max(self.irreversible_at or 0, self.offset)
             self.query_power, self.query_count = None, 0
+
+    def _widths_due(self) -> bool:
+        """Adaptive, decoding, no widths yet (a prompt of lone tokens never
+        ends, as mlx-lm sends a 1- or 2-token one): a group is past the
+        residual, so widths are chosen from the attention of the tokens so far."""
+        o = self.options
+        due = self.keys.shape[2] >= o.kv_residual + o.kv_group
+        return due and not self.in_prompt and self.window_q is not None
 
     def _new_store(self, bits: tuple[int, ...]) -> QuantizedStore:
         """An empty store of these widths, keys grouped by `kv_keys`, rotated
