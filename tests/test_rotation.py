@@ -194,6 +194,7 @@ def test_query_power_before_the_first_group_survives_a_file(tmp_path):
         ("snapkv", dict(kv_rotate="hadamard"), "needs kv_bits"),
         ("snapkv", dict(kv_bits=4, kv_rotate=True), "kv_rotate must be one of"),
         ("kivi", dict(kv_keys="row"), "kv_keys must be one of"),
+        ("h2o", dict(kv_keys="token"), "kv_keys='token' needs kv_bits"),
     ],
 )
 def test_rotation_options_are_checked(algo, opts, match):

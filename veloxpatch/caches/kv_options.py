@@ -52,6 +52,10 @@ def check_rotate(rotate, keys, bits, prefix: str = "") -> None:
         raise OptionError(
             f"kv_rotate={rotate!r} needs {prefix}bits: it rotates quantized rows"
         )
+    if keys != "channel" and bits is None:
+        raise OptionError(
+            f"kv_keys={keys!r} needs {prefix}bits: it groups quantized keys"
+        )
 
 
 def check_grid(
