@@ -7,6 +7,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import greedy
 from oracle import numpy_tail_probs
 from tiny import VOCAB, prompt_tokens, tiny_model, tiny_scorer
 
@@ -243,6 +244,25 @@ def test_budget_mode_holds_share_plus_chunk_and_shares_the_model_budget():
     assert all(c.rows <= c.share for c in caches)  # chosen again at the end
 
 
+def test_calls_ending_on_a_chunk_are_cut_by_the_model_wide_choice():
+    # mlx-lm's prefill calls end on multiples of its step, the default `chunk`:
+    # each such cut is the model-wide choice at the call's end, as with no chunk
+    # cut at all (each layer was cut to its share alone first, for any prompt
+    # over 2,048 tokens at the defaults)
+    model = tiny_model("llama", num_hidden_layers=4)
+    kept = {}
+    for chunk in (16, 4096):
+        opts = dict(scorer=str(tiny_scorer(model)), budget=12, window=3, chunk=chunk)
+        with veloxpatch.patched(model, "kvzap", **opts) as patch:
+            caches = patch.make_cache()
+            greedy(
+                model, prompt_tokens(60), n=2, prefill_step_size=16, prompt_cache=caches
+            )
+            kept[chunk] = [c.positions_view().tolist() for c in caches]
+            shares = [c.share for c in caches]
+    assert kept[16] == kept[4096] and len(set(shares)) > 1
+
+
 def test_calibration_on_a_tiny_model_writes_a_file_the_cache_loads(tmp_path):
     model = tiny_model("llama")
     ids = prompt_tokens(400).tolist()
@@ -279,7 +299,6 @@ def predict_linear(w, X):
 
 @pytest.mark.parametrize("decode", ["attention", "surrogate"])
 def test_decode_cuts_by_the_answers_attention_or_by_the_surrogate(decode):
-    from helpers import greedy
     from oracle import watch_decode_cuts
 
     model = tiny_model("llama")

@@ -297,7 +297,9 @@ class KVzapCache(EvictingCache):
 
     def next_cut(self, start, end):
         if self.options.threshold is None:
-            return super().next_cut(start, end)
+            cut = super().next_cut(start, end)
+            # a cut at the call's end is the model-wide choice's, after it
+            return cut if cut is not None and cut < end else None
         cut = -(-(start + 1) // self.options.chunk) * self.options.chunk
         return cut if cut < end else None
 
