@@ -370,6 +370,33 @@ def test_generate_reconstructs_the_prompt_from_its_ids(monkeypatch):
         assert same > 0.9  # float noise of a different chunking may swap near-ties
 
 
+def test_a_second_turn_after_an_answer_reconstructs_the_answer_and_prompt(
+    monkeypatch,
+):
+    """A chat's second prompt follows a generated answer: the pass runs over
+    both (their ids are recorded as they are fed), as it does when the answer
+    is trimmed away, instead of leaving every row to the prompt's window."""
+    from veloxpatch.caches.kvzip import reconstruct
+
+    model = tiny_model("llama")
+    seen = []
+    real = reconstruct.reconstruct
+
+    def spy(model, caches, zipped, ctx, tokenizer):
+        seen.append((list(ctx), zipped[0].offset))
+        return real(model, caches, zipped, ctx, tokenizer)
+
+    monkeypatch.setattr(reconstruct, "reconstruct", spy)
+    first, second = prompt_tokens(40).tolist(), prompt_tokens(30, seed=3).tolist()
+    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=12, window=8) as p:
+        caches = p.make_cache()
+        answer, _ = greedy(model, mx.array(first), n=4, prompt_cache=caches)
+        fed = caches[0].offset - 40  # the answer's tokens the model has seen
+        greedy(model, mx.array(second), n=2, prompt_cache=caches)
+    assert [offset for _, offset in seen] == [40, 40 + fed + 30]
+    assert seen[1][0] == answer[:fed] + second
+
+
 def test_a_long_later_prompt_is_compressed_to_the_budget():
     """A request that starts from a compressed prefix (the server's prompt
     cache) and adds a long prompt is held to budget + window, not kept whole."""

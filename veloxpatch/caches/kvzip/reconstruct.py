@@ -58,11 +58,13 @@ def reconstruct(model, caches, zipped, context, tokenizer) -> None:
 
 
 def model_forward(cls, patch, wrapped, model, args, kwargs):
-    """A patched model's call (kvzip only): it records the prompt's token ids,
-    and before the call that ends a prompt it runs the reconstruction pass over
-    what the prompt added, so mlx-lm's generate functions and the server score
-    as `prefill` does. Batched calls (one cache list per batch) pass through:
-    their sequences are scored by their prompt's window (`cache.py`)."""
+    """A patched model's call (kvzip only): it records the token ids of every
+    call, prompt and generated, and before the call that ends a prompt it runs
+    the reconstruction pass over what was added since the last compression (a
+    second turn: the answer and the new prompt), so mlx-lm's generate
+    functions and the server score as `prefill` does. Batched calls (one
+    cache list per batch) pass through: their sequences are scored by their
+    prompt's window (`cache.py`)."""
     ids = args[0] if args else kwargs.get("inputs")
     caches = kwargs["cache"] if "cache" in kwargs else (args[1:2] or [None])[0]
     zipped = [c for c in caches or () if isinstance(c, cls)]
@@ -75,14 +77,15 @@ def model_forward(cls, patch, wrapped, model, args, kwargs):
     ):
         return wrapped(*args, **kwargs)
     first = zipped[0]
-    n = ids.shape[1]
+    n, offset = ids.shape[1], first.offset
     if first.phase.would_end(n):
         _score_segment(patch, model, caches, zipped)
-    elif first.phase.takes_prompt(n):
+    elif first.phase.takes_prompt(n) and patch.tokenizer is not None:
         # mlx-lm's generate shows the prompt a chunk at a time: refused as
         # soon as what it has shown cannot be reconstructed within the bytes
-        patch.check_context(first.rows + n)
-        first.phase.record(first.offset, ids[0].tolist())
+        patch.check_context(first.rows + n, offset + n - first.segment_start())
+    # generated tokens too: a later prompt's pass reconstructs the answer with it
+    first.phase.record(offset, ids[0].tolist())
     return wrapped(*args, **kwargs)
 
 
