@@ -149,9 +149,10 @@ class Patch:
             self, tokens, tokenizer=tokenizer, chunk=chunk, context_start=context_start
         )
 
-    def check_context(self, n_tokens: int) -> None:
-        """Refuse a context of `n_tokens` the options cannot process within
-        their `max_kv_bytes` (kvzip's reconstruction), before any work."""
+    def check_context(self, n_tokens: int, new: int | None = None) -> None:
+        """Refuse a context of `n_tokens` (`new` of them not compressed yet;
+        None: all) the options cannot process within their `max_kv_bytes`
+        (kvzip's reconstruction), before any work."""
         check = getattr(self.options, "check_context", None)
         if check is not None:
             from model_adapters import adapter_for
@@ -159,7 +160,7 @@ class Patch:
             from .caches.kv_budget import kv_dtype_size
 
             dims = adapter_for(self.model).dims(self.model)
-            check(dims, kv_dtype_size(self.model), n_tokens)
+            check(dims, kv_dtype_size(self.model), n_tokens, new)
 
     def _model_forward(self, wrapped, model, args, kwargs):
         return self.cache_cls.model_call(self, wrapped, model, args, kwargs)

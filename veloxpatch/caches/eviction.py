@@ -105,9 +105,10 @@ class EvictionOptions(CacheOptions):
         algorithms that otherwise compress when it ends (`compress="chunks"`)."""
         return None
 
-    def check_context(self, dims, dtype_size: int, n_tokens: int) -> None:
-        """Refuse, before any work, a context of `n_tokens` this algorithm
-        cannot process within `max_kv_bytes` (kvzip). Default: any fits."""
+    def check_context(self, dims, dtype_size: int, n_tokens: int, new=None) -> None:
+        """Refuse, before any work, a context of `n_tokens` (`new` of them not
+        compressed yet; None: all) this algorithm cannot process within
+        `max_kv_bytes` (kvzip). Default: any fits."""
 
     def peak_extra_rows(self) -> int | None:
         """Rows held beyond the budget at any point, prompt included, where the

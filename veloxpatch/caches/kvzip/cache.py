@@ -110,13 +110,13 @@ class KVzipOptions(EvictionOptions):
         # the decode window's queries (the tail's are gone once the prompt ends)
         return heads * self.window * head_dim * dtype_size
 
-    def check_context(self, dims, dtype_size, n_tokens):
-        # the reconstruction pass scores the whole context at full precision,
-        # plus one repeated chunk: inherent to the method
+    def check_context(self, dims, dtype_size, n_tokens, new=None):
+        # the reconstruction pass scores the context held at full precision,
+        # plus one repeated chunk of what it reconstructs: inherent to the method
         limit = getattr(self, "bytes_limit", None)
-        if limit is None:
-            return
-        rows = n_tokens + min(self.chunk, n_tokens)
+        if limit is None or not self.reconstruct:
+            return  # without the pass the prompt is held as snapkv holds it
+        rows = n_tokens + min(self.chunk, n_tokens if new is None else new)
         layers = zip(dims.kv_heads, dims.head_dims, dims.sliding)
         need = sum(h * rows * (2 * d * dtype_size + 4) for h, d, s in layers if not s)
         if need > limit:
