@@ -338,14 +338,11 @@ def test_tail_queries_raise_scores_by_their_attention():
             np.testing.assert_allclose(np.array(c.zscore[0]), want, atol=1e-5)
 
 
-def test_generate_reconstructs_the_prompt_from_its_ids(monkeypatch):
-    """Inside mlx-lm's generate functions the patch records the prompt's ids
-    and runs the reconstruction over them before the call that ends the
-    prompt; the kept rows then match `patch.prefill`'s."""
+def spy_reconstruct(monkeypatch) -> list:
+    """Every reconstruction pass from now on, as (its context ids, the offset
+    it ran at)."""
     from veloxpatch.caches.kvzip import reconstruct
 
-    model = tiny_model("llama")
-    ids = prompt_tokens(40).tolist()
     seen = []
     real = reconstruct.reconstruct
 
@@ -354,6 +351,16 @@ def test_generate_reconstructs_the_prompt_from_its_ids(monkeypatch):
         return real(model, caches, zipped, ctx, tokenizer)
 
     monkeypatch.setattr(reconstruct, "reconstruct", spy)
+    return seen
+
+
+def test_generate_reconstructs_the_prompt_from_its_ids(monkeypatch):
+    """Inside mlx-lm's generate functions the patch records the prompt's ids
+    and runs the reconstruction over them before the call that ends the
+    prompt; the kept rows then match `patch.prefill`'s."""
+    model = tiny_model("llama")
+    ids = prompt_tokens(40).tolist()
+    seen = spy_reconstruct(monkeypatch)
     opts = dict(budget=12, sinks=2, window=4)
     with veloxpatch.patched(model, "kvzip", tokenizer=TOK, **opts) as patch:
         caches = patch.make_cache()
@@ -376,17 +383,8 @@ def test_a_second_turn_after_an_answer_reconstructs_the_answer_and_prompt(
     """A chat's second prompt follows a generated answer: the pass runs over
     both (their ids are recorded as they are fed), as it does when the answer
     is trimmed away, instead of leaving every row to the prompt's window."""
-    from veloxpatch.caches.kvzip import reconstruct
-
     model = tiny_model("llama")
-    seen = []
-    real = reconstruct.reconstruct
-
-    def spy(model, caches, zipped, ctx, tokenizer):
-        seen.append((list(ctx), zipped[0].offset))
-        return real(model, caches, zipped, ctx, tokenizer)
-
-    monkeypatch.setattr(reconstruct, "reconstruct", spy)
+    seen = spy_reconstruct(monkeypatch)
     first, second = prompt_tokens(40).tolist(), prompt_tokens(30, seed=3).tolist()
     with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=12, window=8) as p:
         caches = p.make_cache()
@@ -428,22 +426,14 @@ def test_without_reconstruction_the_prompt_window_scores(
 def test_a_replayed_prefill_is_reconstructed_like_a_direct_one(monkeypatch):
     """The eval replays one captured prefill into every arm: the replayed
     caches know the prompt's ids, so kvzip reconstructs as in a direct run."""
-    from veloxpatch.caches.kvzip import reconstruct
     from veloxpatch.eval.replay import capture_prefill
 
     model = tiny_model("llama")
     ids = prompt_tokens(40).tolist()
-    seen = []
-    real = reconstruct.reconstruct
-
-    def spy(model, caches, zipped, ctx, tokenizer):
-        seen.append(list(ctx))
-        return real(model, caches, zipped, ctx, tokenizer)
-
     captured = capture_prefill(model, ids[:-1])
-    monkeypatch.setattr(reconstruct, "reconstruct", spy)
+    seen = spy_reconstruct(monkeypatch)
     opts = dict(budget=12, sinks=2, window=4)
     with veloxpatch.patched(model, "kvzip", tokenizer=TOK, **opts) as patch:
         caches = captured.caches("kvzip", opts, bound=patch.options)
         greedy(model, mx.array(ids[-1:]), n=2, prompt_cache=caches)
-    assert seen == [ids]
+    assert [ctx for ctx, _ in seen] == [ids]
