@@ -106,6 +106,7 @@ def equal_bytes() -> list[str]:
     pk = same + pk_res["passkey"]["table"]
     kl = kl_res["continuation"]["table"]
     mlx_pk = next(r for r in pk if r["arm"] == "mlx.quantized:kv_bits=4")
+    full_pk = next(r for r in pk if r["arm"] == "full")
     mlx_kl = next(r for r in kl if r["arm"] == "mlx.quantized:kv_bits=4")
     ours_pk = [r for r in pk if r["arm"] != "full" and not r["arm"].startswith("mlx")]
     ours_kl = [r for r in kl if r["arm"] != "full" and not r["arm"].startswith("mlx")]
@@ -124,19 +125,24 @@ def equal_bytes() -> list[str]:
     return [
         "## At mlx-lm's 4-bit cache's bytes",
         "",
-        "Our arms given `max_kv_bytes` at (just under) the bytes mlx-lm's "
-        "`QuantizedKVCache` (4 bits, group 64) holds for the same contexts: kept "
-        "rows stored 4-bit (`kv_bits=4`, group 32) with no full-precision residual "
-        "(`kv_residual=0`: a compressed context is read, not appended to, so the "
-        "residual's 128 rows would cost half the bytes). `max_kv_bytes` prices "
-        "the bound on what is held while decoding (holes not yet compacted and "
-        "the decode window included), so the bytes held are below the limit. "
+        "Our arms at (just under) the bytes mlx-lm's `QuantizedKVCache` (4 "
+        "bits, group 64) holds for the same contexts: kept rows stored 4-bit "
+        "(`kv_bits=4`, group 32) with no full-precision residual (`kv_residual=0`: "
+        "a compressed context is read, not appended to, so the residual's 128 "
+        "rows would cost half the bytes). `snapkv` is given `max_kv_bytes`, "
+        "which prices the bound on what is held while decoding (holes not yet "
+        "compacted and the decode window included), so the bytes held are below "
+        "the limit. `kvzip` is given the budget that bound buys it (584 rows at "
+        "10.7 MB, 744 at 12.6 MB): `max_kv_bytes` itself refuses kvzip on these "
+        "contexts, since its reconstruction pass holds the whole context at full "
+        f"precision while it scores ({full_pk['kv_mb']:.0f} MB here, plus the "
+        "chunk it repeats: a peak mlx-lm's cache never has), so only its bytes "
+        "from the prompt's end are at mlx-lm's. "
         "Passkey: the same 10 contexts x 2 questions as the agnostic passkey run "
-        "above (seed 0), whose `mlx.quantized:kv_bits=4` row is shown. The "
-        f"passkey run is at commit `{pk_res['run']['git_commit']}` (kvzip's "
-        "current defaults, see the section on kvzip's floor, recent rows and "
-        "tail queries); the KL run at "
-        f"`{kl_res['run']['git_commit']}` (its old ones).",
+        "above (seed 0), whose `mlx.quantized:kv_bits=4` row is shown. The bytes "
+        "count every array the cache keeps between calls: rows, scores, "
+        "positions and the queries kvzip buffers for its decode window (since "
+        "`d23e52e`; runs before it counted rows, scores and positions only).",
         "",
         meta("passkey_agnostic_bytes", pk_res),
         "",

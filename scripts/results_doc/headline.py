@@ -360,7 +360,8 @@ def headline() -> list[str]:
             f"sliding window {count(pk[('mlx.rotating', 512)])}",
         ],
         [
-            "passkey asked after compression, at most mlx-lm 4-bit's bytes",
+            "passkey asked after compression, at most mlx-lm 4-bit's bytes once "
+            "compressed",
             f"`{eqz['arm'].replace(',max_kv_bytes=', ', max ')}` {count(eqz)} "
             f"({eqz['kv_mb']:.1f} MB)",
             f"4-bit `QuantizedKVCache` ({zq['kv_mb']:.1f} MB) {count(zq)}",

@@ -329,11 +329,12 @@ def passkey_parts() -> list[tuple[str, str, bool]]:
         (
             AGNOSTIC_BYTES,
             "### At mlx-lm's 4-bit cache's bytes\n\n"
-            "`kvzip:kv_bits=4,kv_residual=0,max_kv_bytes=10.7MB` keeps 771 rows "
-            "per layer and KV head, 4-bit (section \"At mlx-lm's 4-bit cache's "
-            'bytes"). kvzap at the same 771 rows, 4-bit, no residual: '
-            "`max_kv_bytes` cannot price kvzap there, its bound counts one prompt "
-            "chunk held at full precision (2,048 rows), more than those bytes. "
+            "`max_kv_bytes=10.7MB` buys `kvzip:kv_bits=4,kv_residual=0` 584 rows "
+            "per layer and KV head, 4-bit, from the prompt's end (section \"At "
+            "mlx-lm's 4-bit cache's bytes\"). kvzap at the same 584 rows, 4-bit, "
+            "no residual: `max_kv_bytes` cannot price kvzap there, its bound counts "
+            "one prompt chunk held at full precision (2,048 rows), more than those "
+            "bytes. "
             "The agnostic cases of the first table, mlx-lm's 4-bit cache in the "
             "same run:",
             True,
@@ -444,7 +445,7 @@ def kvzap() -> list[str]:
         ),
         (
             KL_BYTES,
-            "The continuation at the rows kvzip keeps under 12.6 MB (931 per "
+            "The continuation at the rows `max_kv_bytes=12.6MB` buys kvzip (744 per "
             "layer and KV head, 4-bit, no residual; kvzip's KL there is in the "
             "section \"At mlx-lm's 4-bit cache's bytes\"), mlx-lm's 4-bit cache "
             "in the same run:",
