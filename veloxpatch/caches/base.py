@@ -340,7 +340,9 @@ class VeloxCache(RowStorage):
 
     def clone(self) -> VeloxCache:
         """An independent copy: new array objects (storage is updated in place
-        by slice assignment), its own copy of the phase, the same options."""
+        by slice assignment), its own copy of the phase, the same options. A
+        whole list: `veloxpatch.copy_cache` or copy.deepcopy, whose copies share
+        one phase (model-wide choices, as kvzip's, need every layer in it)."""
         new = copy.copy(self)
         for name, value in vars(self).items():
             if isinstance(value, mx.array):
