@@ -1,0 +1,121 @@
+"""The chat benchmark's conversations in one process, one prompt cache kept
+across the turns: what a chat loop over `mlx_lm.stream_generate` does (as
+`mlx_lm.chat`), where the cache holds the first answer's generated tokens and
+the second turn appends only its own message. The server instead re-sends the
+whole history and matches it against its prompt cache (`scripts/bench_chat.py`).
+
+Each document (the chat benchmark's: held-out prose, a five-digit number at a
+depth, no intro) is asked in both orders: needle second (turn 1 a one-sentence
+summary, turn 2 the number) and needle first. Turn 2 is the chat template's
+text after turn 1's reply, fed after the tokens the cache already holds. The
+arms are patched with the tokenizer (kvzip reconstructs every prompt, the
+second turn's with the answer before it).
+
+    .venv/bin/python scripts/chat_kept_cache.py --arms full,kvzip,snapkv \\
+        --out scripts/results/chat_kept_cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import bench_chat as bc
+
+
+def second_turn_text(tokenizer, first: list[dict], reply: str, question: str) -> str:
+    """The chat template's text of turn 2 after turn 1's reply: the reply's
+    end-of-turn marker, then the new user turn (a reply that ended on the EOS
+    token has fed it already: the caller drops it)."""
+    text = tokenizer.apply_chat_template(
+        bc.second_messages(first, reply, question),
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    said = reply.strip()
+    return text[text.rindex(said) + len(said) :]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arms", required=True, help="NAME[:key=value,...],...")
+    ap.add_argument("--conversations", type=int, default=10, help="documents")
+    ap.add_argument("--context-tokens", type=int, default=1500)
+    ap.add_argument("--text", default="evaluation")
+    ap.add_argument("--budget", type=int, default=256, help="for arms naming none")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--summary-max-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    bc.check_text(args.text)
+
+    from veloxpatch import blas
+
+    blas.preload()
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    import veloxpatch
+    from veloxpatch.eval.arms import expand, split_arms
+    from veloxpatch.eval.runinfo import run_info, write_results
+
+    arms = expand(split_arms(args.arms), budgets=[args.budget])
+    info = run_info()
+    model, tokenizer = veloxpatch.load()
+    greedy = make_sampler(0.0)
+    docs = bc.documents(
+        tokenizer, args.conversations, args.context_tokens, args.text, args.seed
+    )
+
+    def turn(prompt, cache, n) -> tuple[str, list[int]]:
+        kw = dict(max_tokens=n, sampler=greedy, prompt_cache=cache)
+        steps = list(stream_generate(model, tokenizer, prompt, **kw))
+        return "".join(s.text for s in steps), [s.token for s in steps]
+
+    table, records = [], []
+    for arm in arms:
+        for order in bc.ORDERS:
+            hits = []
+            for doc in docs:
+                q1, q2 = bc.questions(order)
+                m1 = bc.first_messages(doc.text, q1)
+                p1 = tokenizer.apply_chat_template(m1, add_generation_prompt=True)
+                with veloxpatch.patched(
+                    model, arm.algo, tokenizer=tokenizer, **arm.options
+                ) as patch:
+                    cache = patch.make_cache()
+                    r1, toks = turn(p1, cache, bc.max_tokens_for(q1, args))
+                    tail = second_turn_text(tokenizer, m1, r1, q2)
+                    if toks and toks[-1] == tokenizer.eos_token_id:
+                        tail = tail.removeprefix(tokenizer.eos_token)  # fed already
+                    p2 = tokenizer.encode(tail, add_special_tokens=False)
+                    r2, _ = turn(p2, cache, bc.max_tokens_for(q2, args))
+                code = r2 if q2 == bc.CODE_Q else r1
+                hits.append(bc.code_correct(doc.key, code))
+                records.append(
+                    {
+                        "arm": arm.label,
+                        "order": order,
+                        "document": doc.index,
+                        "depth": doc.depth,
+                        "key": doc.key,
+                        "replies": [r1, r2],
+                        "correct": hits[-1],
+                        "key_in_turn1_reply": q2 == bc.CODE_Q
+                        and bc.code_correct(doc.key, r1),
+                    }
+                )
+            row = {"arm": arm.label, "order": order, **bc.proportion(hits)}
+            table.append(row)
+            print(
+                f"{arm.label:<40} {order:<14} {row['correct']}/{row['cases']}",
+                flush=True,
+            )
+    write_results(
+        args.out,
+        {"run": info, "config": vars(args), "table": table, "records": records},
+    )
+
+
+if __name__ == "__main__":
+    main()
