@@ -1,6 +1,7 @@
 """scripts/bench_chat.py's pure parts (no server, no model): the interval, what
 counts as a right number, the messages a chat client sends, the cross-user
-comparison, the per-arm summary, and its results-doc section."""
+comparison, the per-arm summary, and its results-doc section; and the second
+turn scripts/chat_kept_cache.py appends to a kept cache."""
 
 import json
 import sys
@@ -200,3 +201,30 @@ def test_kvzap_with_another_scorer_is_a_row_of_its_own():
         bc.row_label("kvzap", "x/s_39k.safetensors") == "kvzap:scorer=s_39k.safetensors"
     )
     assert bc.row_label("kvzip", "x/s_39k.safetensors") == "kvzip"
+
+
+class ChatML:
+    """A ChatML template, as SmolLM2's (it strips what each message says)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        text = "".join(
+            f"<|im_start|>{m['role']}\n{m['content'].strip()}<|im_end|>\n"
+            for m in messages
+        )
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def test_a_kept_cache_second_turn_is_what_the_template_adds_after_the_reply():
+    import chat_kept_cache as kc
+
+    tok, reply = ChatML(), " The text is about Python. \n"
+    first = bc.first_messages("Some prose.", bc.SUMMARY_Q)
+    tail = kc.second_turn_text(tok, first, reply, bc.CODE_Q)
+    opened = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
+    whole = tok.apply_chat_template(
+        bc.second_messages(first, reply, bc.CODE_Q),
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert opened + reply.strip() + tail == whole
+    assert tail.startswith("<|im_end|>\n<|im_start|>user\n" + bc.CODE_Q)
