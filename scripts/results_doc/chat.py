@@ -166,6 +166,7 @@ def chat_bench() -> list[str]:
         *([""] if res.get("added") else []),
         *([("; ".join(notes) + "."), ""] if notes else []),
         *turn1_probe(),
+        *kept_cache(),
     ]
 
 
@@ -222,6 +223,71 @@ def turn1_probe() -> list[str]:
             "",
         ]
     return out
+
+
+KEPT = "chat_kept_cache"
+
+
+def kept_cache() -> list[str]:
+    """The same conversations through one prompt cache kept across turns."""
+    if not (rm.RESULTS / f"{KEPT}.json").exists():
+        return []
+    res = load(KEPT)
+    cfg = res["config"]
+    served = {r["arm"]: r for r in load("bench_chat")["table"]}
+    rows = {}
+    for r in res["table"]:
+        rows.setdefault(r["arm"], {})[r["order"]] = _ci(r)
+    body, losses = [], []
+    for a, v in rows.items():
+        s = served.get(a.removesuffix(f":budget={cfg['budget']}"))
+        server = "" if s is None else _count(s["needle_second_turn2_code"])
+        turns = [v.get("needle_second", ""), v.get("needle_first", "")]
+        body.append([f"`{a}`", *turns, server])
+        kept = next(
+            r for r in res["table"] if (r["arm"], r["order"]) == (a, "needle_second")
+        )
+        if s and kept["correct"] < s["needle_second_turn2_code"]["correct"]:
+            losses.append(
+                f"`{a}` {_count(kept)} at turn 2 in a kept cache against "
+                f"{server} through the server"
+            )
+    return [
+        "The same conversations without the server, as a chat loop over "
+        "`mlx_lm.stream_generate` runs them (`scripts/chat_kept_cache.py`): one "
+        "prompt cache kept across the turns, holding turn 1's generated tokens, "
+        "turn 2 appending only the template's text after the reply. The arms "
+        f"at {cfg['budget']} rows, patched with the tokenizer (kvzip "
+        "reconstructs turn 2 with the answer before it, since `d50d1f6`). A kept "
+        "cache is compressed for good at turn 1's end; the server keeps each "
+        "prompt's uncompressed snapshot and compresses the whole history again "
+        "at turn 2 (its turn-2 numbers from the table above, the same "
+        "documents):",
+        "",
+        meta(KEPT, res),
+        "",
+        *table(
+            ["arm", "number at turn 2", "number at turn 1", "the server: at turn 2"],
+            body,
+        ),
+        "",
+        "```bash",
+        f"python scripts/chat_kept_cache.py --arms {cfg['arms']} "
+        f"--out scripts/results/{KEPT}.json",
+        "```",
+        "",
+        *(
+            [
+                f"**Loss:** {'; '.join(losses)}: what turn 1 evicted is gone. A "
+                "chat whose later turns ask what the first did not needs the "
+                "uncompressed prompt kept, as the server's prompt cache keeps it, "
+                "or a larger budget.",
+                "",
+            ]
+            if losses
+            else []
+        ),
+    ]
 
 
 def _documents(n: int) -> str:
