@@ -479,6 +479,48 @@ def check_text(text: str) -> None:
     check_source(text)
 
 
+def in_process_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of the scripts that run these documents in one process,
+    without a server (`chat_turn1_probe.py`, `chat_kept_cache.py`)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--arms", required=True, help="NAME[:key=value,...],...")
+    ap.add_argument("--conversations", type=int, default=10, help="documents")
+    ap.add_argument("--context-tokens", type=int, default=1500)
+    ap.add_argument("--text", default="evaluation")
+    ap.add_argument("--budget", type=int, default=256, help="for arms naming none")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    return ap
+
+
+def in_process_setup(args):
+    """(arms, run info, model, tokenizer, documents) for those scripts."""
+    check_text(args.text)
+    from veloxpatch import blas
+
+    blas.preload()
+    import veloxpatch
+    from veloxpatch.eval.arms import expand, split_arms
+    from veloxpatch.eval.runinfo import run_info
+
+    arms = expand(split_arms(args.arms), budgets=[args.budget])
+    info = run_info()
+    model, tokenizer = veloxpatch.load()
+    docs = documents(
+        tokenizer, args.conversations, args.context_tokens, args.text, args.seed
+    )
+    return arms, info, model, tokenizer, docs
+
+
+def add_row(table: list, arm: str, field: str, value, hits: list[bool]) -> None:
+    """Those scripts' row of an arm: its answers' proportion, printed too."""
+    row = {"arm": arm, field: value, **proportion(hits)}
+    table.append(row)
+    line = f"{arm:<40} {field} {value!s:<14} {row['correct']}/{row['cases']}"
+    print(line, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arms", default=",".join((*ALGOS, UNPATCHED)))

@@ -17,8 +17,6 @@ second turn's with the answer before it).
 
 from __future__ import annotations
 
-import argparse
-
 import bench_chat as bc
 
 
@@ -36,36 +34,17 @@ def second_turn_text(tokenizer, first: list[dict], reply: str, question: str) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arms", required=True, help="NAME[:key=value,...],...")
-    ap.add_argument("--conversations", type=int, default=10, help="documents")
-    ap.add_argument("--context-tokens", type=int, default=1500)
-    ap.add_argument("--text", default="evaluation")
-    ap.add_argument("--budget", type=int, default=256, help="for arms naming none")
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap = bc.in_process_parser(__doc__)
     ap.add_argument("--summary-max-tokens", type=int, default=48)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    bc.check_text(args.text)
-
-    from veloxpatch import blas
-
-    blas.preload()
+    arms, info, model, tokenizer, docs = bc.in_process_setup(args)
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     import veloxpatch
-    from veloxpatch.eval.arms import expand, split_arms
-    from veloxpatch.eval.runinfo import run_info, write_results
+    from veloxpatch.eval.runinfo import write_results
 
-    arms = expand(split_arms(args.arms), budgets=[args.budget])
-    info = run_info()
-    model, tokenizer = veloxpatch.load()
     greedy = make_sampler(0.0)
-    docs = bc.documents(
-        tokenizer, args.conversations, args.context_tokens, args.text, args.seed
-    )
 
     def turn(prompt, cache, n) -> tuple[str, list[int]]:
         kw = dict(max_tokens=n, sampler=greedy, prompt_cache=cache)
@@ -105,12 +84,7 @@ def main() -> None:
                         and bc.code_correct(doc.key, r1),
                     }
                 )
-            row = {"arm": arm.label, "order": order, **bc.proportion(hits)}
-            table.append(row)
-            print(
-                f"{arm.label:<40} {order:<14} {row['correct']}/{row['cases']}",
-                flush=True,
-            )
+            bc.add_row(table, arm.label, "order", order, hits)
     write_results(
         args.out,
         {"run": info, "config": vars(args), "table": table, "records": records},

@@ -13,40 +13,18 @@ for each arm: a failure that also happens here is not the server's.
 
 from __future__ import annotations
 
-import argparse
-
 import bench_chat as bc
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arms", required=True, help="NAME[:key=value,...],...")
-    ap.add_argument("--conversations", type=int, default=10, help="documents")
-    ap.add_argument("--context-tokens", type=int, default=1500)
-    ap.add_argument("--text", default="evaluation")
-    ap.add_argument("--budget", type=int, default=256, help="for arms naming none")
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    bc.check_text(args.text)
-
-    from veloxpatch import blas
-
-    blas.preload()
+    args = bc.in_process_parser(__doc__).parse_args()
+    arms, info, model, tokenizer, docs = bc.in_process_setup(args)
     from mlx_lm import stream_generate
 
     import veloxpatch
-    from veloxpatch.eval.arms import expand, split_arms
     from veloxpatch.eval.passkey import INTRO
-    from veloxpatch.eval.runinfo import run_info, write_results
+    from veloxpatch.eval.runinfo import write_results
 
-    arms = expand(split_arms(args.arms), budgets=[args.budget])
-    info = run_info()
-    model, tokenizer = veloxpatch.load()
-    docs = bc.documents(
-        tokenizer, args.conversations, args.context_tokens, args.text, args.seed
-    )
     table, records = [], []
     for arm in arms:
         for intro in (False, True):
@@ -78,13 +56,7 @@ def main() -> None:
                         "correct": hits[-1],
                     }
                 )
-            row = {"arm": arm.label, "intro": intro, **bc.proportion(hits)}
-            table.append(row)
-            print(
-                f"{arm.label:<40} intro {str(intro):<5} "
-                f"{row['correct']}/{row['cases']}",
-                flush=True,
-            )
+            bc.add_row(table, arm.label, "intro", intro, hits)
     write_results(
         args.out,
         {"run": info, "config": vars(args), "table": table, "records": records},
