@@ -179,13 +179,14 @@ def test_the_server_keeps_nothing_of_a_chunked_prompt_and_reserves_its_bound():
     assert chunked < prompt_end / 5
 
 
-def kvzip_calls(limit):
+def kvzip_calls(limit, monkeypatch):
     """A tiny model patched with kvzip under max_kv_bytes, and a count of the
-    whole-model calls that reached it."""
+    whole-model calls the patch let through. The count is installed before the
+    patch, which then wraps it: the test's undo never puts back a stale wrapper
+    of the patch on the model class every tiny llama shares."""
     from test_kvzip import TOK
 
     model = tiny_model("llama")
-    patch = veloxpatch.apply(model, "kvzip", tokenizer=TOK, max_kv_bytes=limit)
     calls = []
     real = type(model).__call__
 
@@ -193,7 +194,9 @@ def kvzip_calls(limit):
         calls.append(1)
         return real(self, *a, **k)
 
-    return model, patch, calls, counted
+    monkeypatch.setattr(type(model), "__call__", counted)
+    patch = veloxpatch.apply(model, "kvzip", tokenizer=TOK, max_kv_bytes=limit)
+    return model, patch, calls
 
 
 def test_kvzip_refuses_a_context_its_reconstruction_cannot_hold(monkeypatch):
@@ -203,8 +206,7 @@ def test_kvzip_refuses_a_context_its_reconstruction_cannot_hold(monkeypatch):
     past it inside mlx-lm's generate, before the pass."""
     from test_kvzip import TOK
 
-    model, patch, calls, counted = kvzip_calls(80_000)
-    monkeypatch.setattr(type(model), "__call__", counted)
+    model, patch, calls = kvzip_calls(80_000, monkeypatch)
     short = prompt_tokens(30).tolist()
     patch.prefill(short, tokenizer=TOK)  # fits: 30 rows
     calls.clear()
