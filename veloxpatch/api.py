@@ -149,12 +149,15 @@ class Patch:
             self, tokens, tokenizer=tokenizer, chunk=chunk, context_start=context_start
         )
 
-    def check_context(self, n_tokens: int, new: int | None = None) -> None:
+    def check_context(self, n_tokens: int, new: int | None = None, tokenizer=None):
         """Refuse a context of `n_tokens` (`new` of them not compressed yet;
         None: all) the options cannot process within their `max_kv_bytes`
-        (kvzip's reconstruction), before any work."""
+        (kvzip's reconstruction), before any work. The pass phrases its
+        instruction with this patch's tokenizer or `tokenizer` (prefill's):
+        with neither it never runs, and nothing is refused."""
         check = getattr(self.options, "check_context", None)
-        if check is not None:
+        has_tokenizer = self.tokenizer is not None or tokenizer is not None
+        if check is not None and has_tokenizer:
             from model_adapters import adapter_for
 
             from .caches.kv_budget import kv_dtype_size

@@ -167,8 +167,7 @@ def arm_caches(model, arm: Arm, head, prefills=None, prefill_step_size=2048):
         if captured is not None:
             # refused as the patched model refuses what it is shown (kvzip's pass
             # under max_kv_bytes): the replay calls no model
-            if patch.tokenizer is not None:
-                patch.check_context(len(head))
+            patch.check_context(len(head))
             yield captured.caches(arm.algo, arm.options, bound=patch.options), True
         else:
             caches = patch.make_cache()
