@@ -392,28 +392,27 @@ class QuantizedRows:
         per token with their QJL signs, are quantized once, never twice), and
         an array per channel keeps old group gid[b, h, j] where exact[b, h, j]
         (its rows are exactly that group's, in order)."""
-        old = self._by_group() if self.vw is not None else None
-        old_rows = {n: getattr(self, n) for n in self._per_token()}
         T = self.rows
+        old_rows = {n: getattr(self, n) for n in self._per_token()}
+        old_groups = self._by_group() if T and self.keys != "token" else None
         self._empty()
         if k.shape[2] == 0:
             return
         self.append(k, v)
-        if old is None:
+        if not T:
             return
         take = mx.minimum(src, T - 1)[..., None]
         from_old = (src < T)[..., None]
         for name in set(self._per_token()) & set(self._held()):
             kept = mx.take_along_axis(old_rows[name], take, axis=2)
             setattr(self, name, mx.where(from_old, kept, getattr(self, name)))
-        if self.keys == "token":
+        if old_groups is None:
             return
-        new = self._by_group()
-        gid = mx.minimum(gid, old["vw"][0].shape[2] - 1)
+        gid = mx.minimum(gid, T // self.group - 1)
         out = {}
-        for name, (a, axis) in new.items():
+        for name, (a, axis) in self._by_group().items():
             if axis == 3:  # keys per channel: whole groups only
-                o = old[name][0]
+                o = old_groups[name][0]
                 kept = mx.take_along_axis(o, gid[:, :, None, :, None], axis=3)
                 out[name] = (mx.where(exact[:, :, None, :, None], kept, a), 3)
         self._from_groups(out)
