@@ -3,6 +3,7 @@ context, several questions."""
 
 from pydoc_data.topics import topics
 
+import pytest
 from click.testing import CliRunner
 from conftest import smollm
 
@@ -29,13 +30,23 @@ def test_compress_once_then_ask_twice(tmp_path):
         assert "[kvzip]" in got.output and "KV held" in got.output
 
 
-def test_cache_decides_the_algorithm(tmp_path):
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--algo", "snapkv"], "--algo"),
+        (["--max-kv-bytes", "1MB"], "--max-kv-bytes"),
+        (["--budget", "32", "--algo-arg", "kv_bits=2"], "--budget, --algo-arg"),
+    ],
+)
+def test_cache_decides_the_algorithm(tmp_path, flags, named):
+    # the flags the user gave are named, whichever they are (the file's
+    # algorithm is not the default `full` the options would be checked against)
     f = tmp_path / "c.safetensors"
     f.write_bytes(b"x")
-    got = run("generate", "--cache", str(f), "--algo", "snapkv", "--prompt", "q")
+    got = run("generate", "--cache", str(f), *flags, "--prompt", "q")
     assert got.exit_code == 2
     assert got.output.strip().splitlines() == [
-        "veloxpatch: error: --cache gives the algorithm and its options; drop --algo"
+        f"veloxpatch: error: --cache gives the algorithm and its options; drop {named}"
     ]
 
 

@@ -115,9 +115,17 @@ def generate(
     from .memory import full_kv_bytes, kv_bytes
     from .models import chat_prompt, load
 
+    if cache_path is not None:
+        given = {
+            "--algo": algo != "full",
+            "--budget": budget is not None,
+            "--max-kv-bytes": max_kv_bytes is not None,
+            "--algo-arg": bool(algo_args),
+        }
+        if any(given.values()):
+            drop = ", ".join(flag for flag, on in given.items() if on)
+            raise UserError(f"--cache gives the algorithm and its options; drop {drop}")
     options = algo_options(budget, algo_args)
-    if cache_path is not None and (options or algo != "full"):
-        raise UserError("--cache gives the algorithm and its options; drop --algo")
     if max_kv_bytes is not None:
         if "max_kv_bytes" in options:
             raise UserError("max_kv_bytes given twice: --max-kv-bytes and --algo-arg")
