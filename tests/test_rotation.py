@@ -551,6 +551,33 @@ def test_fp16_rows_leave_a_bf16_model_in_bf16(algo, opts):
     assert caches[0].keys.dtype == mx.float16 and caches[-1].keys.dtype == mx.float16
 
 
+@pytest.mark.parametrize("left", [0, 1])
+def test_a_trim_into_the_sinks_after_one_into_the_groups_starts_again_cleanly(left):
+    # the first trim leaves holes (a slot map); the second keeps fewer rows than
+    # the sinks: only sinks (or nothing) stay, and the next rows refill them
+    model = tiny_model("qwen3", head_dim=D)
+    ids, more = prompt_tokens(300, seed=1), prompt_tokens(120, seed=3)
+    opts = dict(bits=2, residual=32, kv_rotate="hadamard", kv_sinks=2)
+    with veloxpatch.patched(model, "kivi", **opts) as patch:
+        caches = patch.make_cache()
+        model(ids[None], cache=caches)
+        for c in caches:
+            c.trim(60)
+        assert caches[0].holes > 0
+        for c in caches:
+            c.trim(c.offset - left)
+        assert caches[0].store.sink_rows == left
+        out = model(more[None], cache=caches)
+        nxt = model(mx.array([[5]]), cache=caches)
+        fresh = model.make_cache()
+        if left:
+            model(ids[None, :left], cache=fresh)
+        ref = model(more[None], cache=fresh)
+        ref_nxt = model(mx.array([[5]]), cache=fresh)
+    assert caches[0].store.sink_rows == 2
+    assert rel(out, ref) < 1e-5 and rel(nxt, ref_nxt) < 1e-5
+
+
 def test_sinks_default_to_one_with_a_rotation_and_none_without():
     Options = ALGORITHMS["kivi"].Options
     assert Options(kv_rotate="hadamard").kv_sinks == 1

@@ -165,14 +165,15 @@ class QuantizedKV:
         tq = self.quantized
         if self._cuts_a_group(n):  # the kept rows' grid read the trimmed ones
             self.irreversible_at = max(self.irreversible_at or 0, self.offset)
-        if self.slot is not None:
+        sinks = 0 if self.store is None else self.store.sink_rows
+        if self.slot is not None and n >= sinks:  # (the sinks are rows 0..s-1)
             self.slot = self.slot[..., :n]
-        elif n >= tq:
+        elif self.slot is None and n >= tq:
             self.keys, self.values = (
                 self.keys[:, :, : n - tq],
                 self.values[:, :, : n - tq],
             )
-        else:  # whole groups stay; the rest of the last one is holes
+        else:  # whole groups (or sinks) stay; the rest of the last one is holes
             B, H = self.keys.shape[:2]
             self.store.truncate(self.store.kept_rows(n))
             self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
