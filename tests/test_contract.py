@@ -106,6 +106,19 @@ ROTATED = [
         dict(bits=2, residual=4, kv_rotate="hadamard", kv_sinks=2),
         "kivi-sinks",
     ),
+    # dense sinks under eviction: heads keep different rows (Ada-KV), sinks stay
+    (
+        "h2o",
+        dict(
+            budget=40,
+            kv_bits=2,
+            kv_residual=4,
+            kv_rotate="hadamard",
+            kv_sinks=2,
+            head_budget="adaptive",
+        ),
+        "h2o-kv2-sinks-adaptive",
+    ),
     # keys at their own width, on kivi and on an evicting algorithm
     (
         "kivi",

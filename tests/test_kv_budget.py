@@ -106,6 +106,7 @@ def test_quantized_rows_convert_exactly():
         ("h2o", dict(kv_bits=4, kv_residual=8)),
         ("snapkv", dict(window=4, kv_bits=2, kv_residual=8)),
         ("tova", dict(kv_bits="adaptive", target_bits=3, kv_residual=8)),
+        ("h2o", dict(kv_bits=2, kv_residual=0, kv_rotate="hadamard", kv_sinks=4)),
     ],
 )
 def test_bytes_held_stay_within_max_kv_bytes(algo, opts):
@@ -125,6 +126,22 @@ def test_bytes_held_stay_within_max_kv_bytes(algo, opts):
     decoding = held[2:] if algo == "kvzip" else held
     assert max(decoding) <= limit
     assert max(held) > 0.5 * limit  # the budget is not wasted either
+
+
+def test_dense_sinks_are_priced_as_dense_rows():
+    # each of a layer's KV heads holds kv_sinks rows dense instead of quantized
+    from model_adapters import adapter_for
+    from veloxpatch.caches import ALGORITHMS
+    from veloxpatch.caches.kv_budget import bound_bytes, slot_bytes
+
+    model = tiny_model("llama", head_dim=32)
+    dims = adapter_for(model).dims(model)
+    opts = dict(budget=64, kv_bits=2, kv_residual=0, kv_rotate="hadamard")
+    none = ALGORITHMS["h2o"].Options(**opts, kv_sinks=0)
+    three = ALGORITHMS["h2o"].Options(**opts, kv_sinks=3)
+    extra = bound_bytes(three, dims, 4, 64) - bound_bytes(none, dims, 4, 64)
+    per_row = slot_bytes(none, 32, 4, False) - slot_bytes(none, 32, 4, True)
+    assert extra == pytest.approx(3 * per_row * LAYERS_HEADS)
 
 
 @pytest.mark.parametrize(

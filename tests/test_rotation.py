@@ -585,6 +585,49 @@ def test_sinks_default_to_one_with_a_rotation_and_none_without():
     assert Options(kv_rotate="hadamard", kv_sinks=0).kv_sinks == 0
 
 
+def test_evicting_algorithms_hold_a_dense_sink_among_the_rows_they_never_evict():
+    Options = ALGORITHMS["snapkv"].Options  # (SnapKV's own sinks: 0)
+    rotated = Options(kv_bits=2, kv_rotate="hadamard")
+    assert rotated.kv_sinks == 1 and rotated.sinks == 1
+    assert Options(kv_bits=2).kv_sinks == 0 and Options().kv_sinks == 0
+    assert Options(kv_bits=2).sinks == 0
+    assert Options(kv_bits=2, kv_rotate="hadamard", kv_sinks=0).sinks == 0
+    assert Options(kv_bits=2, sinks=2, kv_sinks=3).sinks == 3
+    assert Options(kv_bits=2, sinks=6, kv_sinks=3).sinks == 6
+    with pytest.raises(OptionError, match="kv_sinks needs kv_bits"):
+        Options(kv_sinks=1)
+
+
+@pytest.mark.parametrize("algo", ["snapkv", "h2o"])
+def test_evicted_and_compacted_rows_keep_their_sinks_exact(algo, monkeypatch):
+    from veloxpatch.caches.kv_bits import QuantizedKV
+
+    # eviction leaves holes and compaction regroups the rows behind the sinks:
+    # the first rows stay the tokens' own keys and values, never quantized
+    model = tiny_model("qwen3", head_dim=D)
+    ids = prompt_tokens(120, seed=1)
+    opts = dict(budget=40, kv_bits=2, kv_residual=4, kv_rotate="hadamard")
+    compactions, real = [], QuantizedKV._compact
+    spy = lambda self: compactions.append(1) or real(self)  # noqa: E731
+    monkeypatch.setattr(QuantizedKV, "_compact", spy)
+    with veloxpatch.patched(model, algo, **opts, kv_sinks=2) as patch:
+        assert patch.options.sinks >= 2  # raised to them: never evicted
+        caches = patch.make_cache()
+        greedy(model, ids, n=60, prompt_cache=caches)
+    assert compactions
+    plain = make_prompt_cache(model)
+    model(ids[None, :2], cache=plain)
+    for c, p in zip(caches, plain):
+        assert c.store.sink_rows == 2 and c.rows <= c.row_bound()
+        assert mx.array_equal(
+            c.positions_view()[..., :2],
+            mx.broadcast_to(mx.arange(2), c.positions_view()[..., :2].shape),
+        )
+        keys, values = c._view()[0].rows_dense()
+        assert rel(keys[:, :, :2], p.keys[:, :, :2]) < 1e-6
+        assert rel(values[:, :, :2], p.values[:, :, :2]) < 1e-6
+
+
 def test_sink_options_are_checked():
     with pytest.raises(OptionError, match="kv_sinks"):
         ALGORITHMS["kivi"].Options(kv_sinks=-1)

@@ -57,6 +57,9 @@ class EvictionOptions(CacheOptions):
     `kv_dense="float16"`: the rows not quantized (the residual) in fp16, their
     groups' scales too once quantized;
     `kv_qjl=True`: TurboQuant's 1-bit residual on keys (per token).
+    `kv_sinks`: the first rows held dense ahead of the quantized ones, 1 by
+    default with `kv_rotate` (as kivi's); `sinks` is raised to it, so they are
+    never evicted.
     `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
     (Ada-KV: a layer's heads share budget x heads rows by their scores, each
     keeping at least the fraction `alpha`, default 0.2, of the uniform share;
@@ -78,6 +81,7 @@ class EvictionOptions(CacheOptions):
     kv_scales: str = "model"
     kv_dense: str = "model"
     kv_qjl: bool = False
+    kv_sinks: int | None = None
     head_budget: str = "uniform"
     alpha: float | None = None
     max_kv_bytes: int | str | None = None
@@ -150,6 +154,7 @@ class EvictionOptions(CacheOptions):
             check_qjl,
             check_quant,
             check_rotate,
+            dense_sinks,
         )
 
         # kv_group and kv_residual are checked even while kv_bits is unset.
@@ -168,6 +173,8 @@ class EvictionOptions(CacheOptions):
         check_qjl(self.kv_qjl, self.kv_bits, self.kv_keys, self.kv_grid, "kv_")
         check_key_bits(self.kv_key_bits, self.kv_bits, self.kv_qjl, self.kv_grid, "kv_")
         check_int("sinks", self.sinks, 0)
+        self.kv_sinks = dense_sinks(self.kv_sinks, self.kv_rotate, self.kv_bits)
+        self.sinks = max(self.sinks, self.kv_sinks)  # held dense: never evicted
         check_int("budget", self.budget, 1)
         check_choice("head_budget", self.head_budget, HEAD_BUDGETS)
         if self.head_budget == "adaptive":

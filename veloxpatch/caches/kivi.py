@@ -27,8 +27,9 @@ from .kv_bits import (
     check_quant,
     check_rotatable,
     check_rotate,
+    dense_sinks,
 )
-from .options import CacheOptions, check_int
+from .options import CacheOptions
 
 
 @dataclasses.dataclass
@@ -73,9 +74,7 @@ class KIVIOptions(CacheOptions):
         )
         check_qjl(self.kv_qjl, self.bits, self.kv_keys, self.kv_grid)
         check_key_bits(self.key_bits, self.bits, self.kv_qjl, self.kv_grid)
-        if self.kv_sinks is None:
-            self.kv_sinks = 1 if self.kv_rotate else 0
-        check_int("kv_sinks", self.kv_sinks, 0)
+        self.kv_sinks = dense_sinks(self.kv_sinks, self.kv_rotate, self.bits)
 
     def bind(self, model, dims):
         check_group_divides(dims, self.group)

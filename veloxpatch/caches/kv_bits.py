@@ -45,6 +45,7 @@ from .kv_options import (  # noqa: F401  (the names callers import from here)
     check_quant,
     check_rotatable,
     check_rotate,
+    dense_sinks,
     layer_total,
 )
 from .quantized import QuantizedStore, qjl_matrix, rotation_signs
@@ -358,9 +359,9 @@ class QuantizedKV:
 
     @property
     def _sinks(self) -> int:
-        """Rows held dense ahead of the quantized ones (kivi's `kv_sinks`; the
-        eviction algorithms' `kv_bits` has none: it never regroups them)."""
-        return getattr(self.options, "kv_sinks", 0)
+        """Rows held dense ahead of the quantized ones (`kv_sinks`: on an
+        evicting algorithm, among its `sinks`, so never evicted or holed)."""
+        return self.options.kv_sinks
 
     def side_arrays(self):
         side = super().side_arrays() + [self.keys, self.values]

@@ -14,7 +14,8 @@ prompt, the others the caller's prefill chunk, on top of the budget.
 - rows in the model's dtype: r x (2 D x dtype size + 4) (keys, values, position);
 - with `kv_bits`: r rows, plus up to max(group, r / 4) holes (evicted rows not
   yet compacted, `kv_bits.HOLE_SHARE`), of which up to residual + group - 1
-  slots are the full-precision residual (2 D x dtype size each) and the rest
+  slots are the full-precision residual and `kv_sinks` its dense sinks (2 D x
+  dtype size each) and the rest
   quantized (2 D bits / 8 of codes, the keys' at `kv_key_bits` when given,
   and a scale and a bias per `group` values in the model's dtype: 4 D x dtype
   size / group; fp16 with `kv_scales`, one byte and no bias with mxfp4;
@@ -127,7 +128,8 @@ def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:
         else:
             g = options.kv_group
             slots = r + max(g, r // HOLE_SHARE)
-            full = min(slots, options.kv_residual + g - 1)
+            sinks = getattr(options, "kv_sinks", 0) or 0  # held dense too
+            full = min(slots, options.kv_residual + g - 1 + sinks)
             quant = slot_bytes(options, d, dtype_size, True)
             per_head = full * dense + (slots - full) * quant + (8 + side) * r
         total += kv_heads * per_head

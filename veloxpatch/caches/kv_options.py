@@ -42,6 +42,18 @@ def check_quant(bits, group, residual, target_bits, prefix: str = "") -> None:
         raise OptionError(f"target_bits needs {prefix}bits='adaptive'")
 
 
+def dense_sinks(sinks, rotate, bits) -> int:
+    """`kv_sinks`: the first rows held dense ahead of the quantized groups,
+    resolved; by default 1 with a rotation (where the attention sink's error
+    costs most: docs/results.md), else 0."""
+    if sinks is None:
+        return 1 if rotate and bits is not None else 0
+    check_int("kv_sinks", sinks, 0)
+    if sinks and bits is None:
+        raise OptionError("kv_sinks needs kv_bits: it holds quantized rows dense")
+    return sinks
+
+
 def check_rotate(rotate, keys, bits, prefix: str = "") -> None:
     """`kv_rotate`: None, "hadamard" or "query" (the Hadamard rotation after
     scaling key channels by the prompt's queries, `quantized.py`), which need

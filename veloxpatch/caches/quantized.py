@@ -492,10 +492,15 @@ class QuantizedStore:
     def rows(self) -> int:
         return self.sink_rows + self.parts[0].rows
 
+    def _sinks_missing(self) -> int:
+        """Sinks still to take: only ahead of every quantized row (a store
+        saved with fewer sinks than its options now ask keeps its own)."""
+        return 0 if self.parts[0].rows else max(0, self.sinks - self.sink_rows)
+
     def to_fill(self, n: int) -> int:
         """How many of n rows past the residual to add: the sinks still
         missing, then whole groups."""
-        lead = min(n, self.sinks - self.sink_rows)
+        lead = min(n, self._sinks_missing())
         return lead + (n - lead) // self.group * self.group
 
     def _split(self, x: mx.array):
@@ -512,7 +517,7 @@ class QuantizedStore:
     def append(self, k, v) -> None:
         """Add rows [B, H, n, D]: the sinks still missing first, then whole
         groups (`to_fill`)."""
-        lead = min(k.shape[2], self.sinks - self.sink_rows)
+        lead = min(k.shape[2], self._sinks_missing())
         if lead > 0:  # copied out: a slice would keep the whole call's rows alive
             self.sink_k = _cat(self.sink_k, mx.contiguous(k[:, :, :lead]), 2)
             self.sink_v = _cat(self.sink_v, mx.contiguous(v[:, :, :lead]), 2)
