@@ -179,6 +179,24 @@ def test_the_server_keeps_nothing_of_a_chunked_prompt_and_reserves_its_bound():
     assert chunked < prompt_end / 5
 
 
+def test_a_short_request_reserves_no_more_rows_than_its_tokens():
+    # the bound of budget + a chunk is for a long prompt: a short request can
+    # hold only its own tokens' rows, and reserving more refused it (413)
+    from veloxpatch.memory import full_rows
+    from veloxpatch.serve.kv import KVEstimate
+
+    model = tiny_model("llama")
+    opts = dict(budget=300, window=4, chunk=512, compress="chunks")
+    with veloxpatch.patched(model, "snapkv", **opts) as patch:
+        est = KVEstimate(patch)
+        short, long = est.request_bytes(40, 8), est.request_bytes(5000, 16)
+        per_row = est.patched_row + est.sliding_row
+    assert short < long  # a long one: budget + chunk, whatever its length
+    # one growth step of rows, plus snapkv's buffered queries and row scores
+    assert short <= full_rows(48) * per_row * 1.5
+    assert long == est.request_bytes(9000, 16)
+
+
 def kvzip_calls(limit, monkeypatch):
     """A tiny model patched with kvzip under max_kv_bytes, and a count of the
     whole-model calls the patch let through. The count is installed before the

@@ -109,12 +109,16 @@ def slot_bytes(options, head_dim: int, dtype_size: int, quantized: bool) -> int:
     return codes + 4 * head_dim * scale / options.kv_group + sketch
 
 
-def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:
-    """Upper bound on the bytes held at `budget` (module doc)."""
+def bound_bytes(
+    options, dims, dtype_size: int, budget: int, tokens: int | None = None
+) -> float:
+    """Upper bound on the bytes held at `budget` (module doc); `tokens`: the
+    most a cache will ever see, whose rows and slots it cannot exceed."""
     from .kv_bits import HOLE_SHARE
 
     extra = options.peak_extra_rows()
     r = budget + (options.decode_extra_rows() if extra is None else extra)
+    r = r if tokens is None else min(r, tokens)
     total = 0.0
     layers = zip(dims.heads, dims.kv_heads, dims.head_dims, dims.sliding)
     for heads, kv_heads, d, sliding in layers:
@@ -128,6 +132,7 @@ def bound_bytes(options, dims, dtype_size: int, budget: int) -> float:
         else:
             g = options.kv_group
             slots = r + max(g, r // HOLE_SHARE)
+            slots = slots if tokens is None else min(slots, tokens)
             sinks = getattr(options, "kv_sinks", 0) or 0  # held dense too
             full = min(slots, options.kv_residual + g - 1 + sinks)
             quant = slot_bytes(options, d, dtype_size, True)

@@ -4,7 +4,8 @@ The bound covers every request in flight (queued or generating) plus mlx-lm's
 prompt cache. A request reserves an upper bound on the KV bytes it can hold
 before it is queued (its prompt is tokenized for that), and gives it back when
 its response ends:
-- a cache with a budget (eviction): its decode bound (`kv_budget.bound_bytes`),
+- a cache with a budget (eviction): its decode bound (`kv_budget.bound_bytes`,
+  of no more rows than the request's prompt + max_tokens),
   or the whole prompt at full precision if more, since the others hold at most
   budget + a prefill chunk; plus the whole prompt for the algorithms whose
   prompt-end snapshot the prompt cache keeps (`kept_for_later`: the SnapKV
@@ -31,6 +32,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from ..caches.kv_budget import bound_bytes
 from ..memory import full_kv_bytes, full_rows, kv_bytes
 
 log = logging.getLogger("veloxpatch.serve")
@@ -50,11 +52,12 @@ class KVEstimate:
     def __init__(self, patch):
         from model_adapters import adapter_for
 
-        from ..caches.kv_budget import bound_bytes, kv_dtype_size
+        from ..caches.kv_budget import kv_dtype_size
 
         model, options = patch.model, patch.options
-        dims = adapter_for(model).dims(model)
-        dtype = kv_dtype_size(model)
+        self.dims = dims = adapter_for(model).dims(model)
+        self.dtype = dtype = kv_dtype_size(model)
+        self.options = options
         layers = list(zip(dims.kv_heads, dims.head_dims, dims.sliding))
         # sliding-window layers keep mlx-lm's cache: counted whole, as a bound
         self.sliding_row = sum(h * 2 * d * dtype for h, d, s in layers if s)
@@ -62,10 +65,7 @@ class KVEstimate:
         self.full_row = sum(h * 2 * d * dtype for h, d, _ in layers)
         # the snapshot the prompt cache keeps (kept_for_later) is held too
         self.snapshot = patch.cache_cls.policy_for(options) == "prompt"
-        budget = getattr(options, "budget", None)
-        self.decode_bound = (
-            None if budget is None else bound_bytes(options, dims, dtype, budget)
-        )
+        self.budget = getattr(options, "budget", None)
         # compress="chunks": that bound holds while the prompt is read too
         peak = getattr(options, "peak_extra_rows", lambda: None)()
         self.bounds_prompt = peak is not None
@@ -73,14 +73,16 @@ class KVEstimate:
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         rows = full_rows(prompt_tokens + max_tokens)
         held = self.sliding_row * rows
-        if self.decode_bound is None:
+        if self.budget is None:
             return held + self.patched_row * rows
+        # no cache holds more rows than the request has tokens (grown in steps)
+        bound = bound_bytes(self.options, self.dims, self.dtype, self.budget, rows)
         if self.bounds_prompt:
-            return held + int(self.decode_bound)
+            return held + int(bound)
         prompt = self.patched_row * full_rows(prompt_tokens)
         if self.snapshot:
-            return held + int(self.decode_bound + prompt)
-        return held + int(max(self.decode_bound, prompt))
+            return held + int(bound + prompt)
+        return held + int(max(bound, prompt))
 
     def full_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """What mlx-lm's own KVCache would hold for the same request."""
