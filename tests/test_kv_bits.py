@@ -214,21 +214,53 @@ def test_quantized_rows_hold_fewer_bytes():
 )
 def test_a_trim_into_a_quantized_group_is_not_reused_as_exact(opts, at_boundary_exact):
     # the server reuses a trimmed prompt-cache entry only if trimmed_exactly: a
-    # kept group whose grid was set by trimmed rows depends on another prompt
+    # kept group whose grid was set by trimmed rows depends on another prompt,
+    # and so does one quantized only because they came (32 rows alone: dense)
     from veloxpatch.serve.kv import trimmed_exactly
 
     model = tiny_model("llama", head_dim=64)
     ids = prompt_tokens(70)[None]  # 66 rows past the residual: two groups
     with veloxpatch.patched(model, "kivi", **opts) as patch:
         results = {}
-        for keep in (10, 32, 68):  # inside group 0, its end, the residual
+        for keep in (10, 32, 68, 69):  # in group 0, its end, the residual
             caches = patch.make_cache()
             model(ids, cache=caches)
             assert caches[0].quantized == 64
             for c in caches:
                 c.trim(c.offset - keep)
             results[keep] = trimmed_exactly(caches, keep)
-    assert results == {10: False, 32: at_boundary_exact, 68: at_boundary_exact}
+    exact = at_boundary_exact
+    assert results == {10: False, 32: False, 68: exact, 69: exact}
+
+
+def test_a_trim_back_past_groups_quantized_later_is_not_reused_but_equals_fresh():
+    # 100 rows alone quantize 2 groups (residual 32); 40 more quantize a third:
+    # trimmed back to 100 it stays quantized, unlike a fresh prefill of them
+    from veloxpatch.serve.kv import trimmed_exactly
+
+    model = tiny_model("llama", head_dim=64)
+    ids = prompt_tokens(140)
+    with veloxpatch.patched(model, "kivi", bits=2, residual=32) as patch:
+        got = {}
+        for keep in (100, 130):
+            caches = patch.make_cache()
+            model(ids[None, :100], cache=caches)
+            model(ids[None, 100:], cache=caches)
+            assert caches[0].quantized == 96
+            for c in caches:
+                c.trim(c.offset - keep)
+            got[keep] = trimmed_exactly(caches, keep)
+            if keep == 130:  # 96 of 130 quantized, as a cache fed only them
+                fresh = patch.make_cache()  # (in the same calls: the rows a call
+                model(ids[None, :100], cache=fresh)  # reads quantized move the
+                model(ids[None, 100:130], cache=fresh)  # next layers' inputs)
+                nxt = mx.array([[7]])
+                np.testing.assert_allclose(
+                    np.array(model(nxt, cache=caches)),
+                    np.array(model(nxt, cache=fresh)),
+                    atol=1e-5,
+                )
+    assert got == {100: False, 130: True}
 
 
 @pytest.mark.parametrize("algo", ["h2o", "knorm"])

@@ -164,7 +164,9 @@ class QuantizedKV:
         if self.positions is not None:  # held exactly, not in a grown buffer
             self.positions = self.positions[..., :n]
         tq = self.quantized
-        if self._cuts_a_group(n):  # the kept rows' grid read the trimmed ones
+        # the kept rows' grid read the trimmed ones, or they were quantized only
+        # because the trimmed ones came (the n rows alone stay full precision)
+        if self._cuts_a_group(n) or self._quantized_past_fresh(n):
             self.irreversible_at = max(self.irreversible_at or 0, self.offset)
         sinks = 0 if self.store is None else self.store.sink_rows
         if self.slot is not None and n >= sinks:  # (the sinks are rows 0..s-1)
@@ -189,6 +191,20 @@ class QuantizedKV:
             return n < self.quantized and self.store.kept_rows(n) != n
         gone = self.slot[..., n:]
         return gone.size > 0 and bool((gone < self.quantized).any().item())
+
+    def _quantized_past_fresh(self, n: int) -> bool:
+        """Whether the first n rows hold more quantized rows than a cache that
+        saw only them would (the sinks, then whole groups past the residual)."""
+        if self.store is None:
+            return False
+        o = self.options
+        past = max(0, n - o.kv_residual)
+        lead = min(past, self._sinks)
+        fresh = lead + (past - lead) // o.kv_group * o.kv_group
+        if self.slot is None:
+            return min(n, self.quantized) > fresh
+        held = (self.slot[..., :n] < self.quantized).sum(-1)
+        return int(held.max().item()) > fresh
 
     def trim(self, n):
         n = super().trim(n)
