@@ -219,10 +219,13 @@ def kept_for_later(tokens, caches):
         log.info("request done: nothing kept for later (%s policy)", policy)
         return None
     _, n, copies = snapshot
+    # kvzip and kvzap snapshot after their (question-agnostic) compression
+    when = "after its" if not ours[0].snapshot_first() else "before its question-aware"
     log.info(
         "prompt cache keeps the %d prompt tokens as they stood at the prompt's "
-        "end, before its question-aware compression: %s bytes",
+        "end, %s compression: %s bytes",
         n,
+        when,
         f"{kv_bytes(copies):,}",
     )
     return list(tokens[:n]), copies, "user"
