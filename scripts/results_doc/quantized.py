@@ -304,7 +304,57 @@ def rotated() -> list[str]:
         ]
         findings += _rotation_findings(source, t)
     grids = _grid_study()
-    return lines + findings + [""] + grids + _rotated_passkey() + _rotated_speed()
+    evicting = _evicting_sinks()
+    return (
+        lines
+        + findings
+        + [""]
+        + grids
+        + evicting
+        + _rotated_passkey()
+        + _rotated_speed()
+    )
+
+
+EVICTING_SINKS = ("ppl_rotated_bytes", "ppl_rotated_bytes_licenses")
+AT_BYTES_KEYS = ["tasks", "protocol", "context", "segments", "continuation"]
+AT_BYTES_KEYS += ["memory", "arms", "text", "out"]
+
+
+def _evicting_sinks() -> list[str]:
+    """Rotated 2-bit rows of evicting algorithms at 12.6 MB, each with and
+    without its dense sink (kv_sinks, 1 by default with kv_rotate)."""
+    names = [n for n in EVICTING_SINKS if (rm.RESULTS / f"{n}.json").exists()]
+    if not names:
+        return []
+    out = [
+        "### Dense sinks on the evicting algorithms' rows",
+        "",
+        "`kv_sinks` on `kv_bits` (1 by default with `kv_rotate`; `sinks` is raised "
+        "to it, so the row is never evicted): rotated 2-bit rows of `kvzip` and "
+        "`snapkv` at 12.6 MB (kvzip at the rows `max_kv_bytes` buys it, which "
+        "refuses its reconstruction pass on these contexts), each with and "
+        "without the sink, question-agnostic continuation KL of 256 tokens after "
+        "~1,500 (the Pareto section's protocol):",
+        "",
+    ]
+    for name in names:
+        res = load(name)
+        cfg = res["config"]
+        out += [
+            f"Prose: `{cfg.get('text') or 'evaluation'}`.",
+            "",
+            meta(name, res),
+            "",
+            *table(
+                ["arm", "ppl", "agreement with full", "KL(full ‖ arm)", "KV MB"],
+                ppl_rows(res),
+            ),
+            "",
+            *command("veloxpatch eval", cfg, AT_BYTES_KEYS, RENAME),
+            "",
+        ]
+    return out
 
 
 GRID_STUDY = "quantizer_grid_rotated"
