@@ -263,6 +263,26 @@ def test_a_trim_back_past_groups_quantized_later_is_not_reused_but_equals_fresh(
     assert got == {100: False, 130: True}
 
 
+def test_adaptive_widths_chosen_at_a_prompt_end_are_not_reused_for_another():
+    # the widths read the attention of that prompt's last tokens: trimmed back
+    # into the prompt, the entry would hand them to another user's prompt; a
+    # next turn (only generated tokens trimmed) still reuses it
+    from veloxpatch.serve.kv import trimmed_exactly
+
+    model = tiny_model("llama", head_dim=64)
+    opts = dict(bits="adaptive", target_bits=3, residual=8)
+    got = {}
+    with veloxpatch.patched(model, "kivi", **opts) as patch:
+        for keep in (110, 121):  # 96 rows quantized either way, as fresh
+            caches = patch.make_cache()
+            greedy(model, prompt_tokens(120), n=4, prompt_cache=caches)
+            for c in caches:
+                c.trim(c.offset - keep)
+            assert caches[0].quantized == 96
+            got[keep] = trimmed_exactly(caches, keep)
+    assert got == {110: False, 121: True}
+
+
 @pytest.mark.parametrize("algo", ["h2o", "knorm"])
 def test_a_trim_of_quantized_rows_trims_their_side_state(algo):
     # h2o's accumulated attention and knorm's key norms follow the rows through

@@ -297,6 +297,8 @@ class QuantizedKV:
         bits = allocate_bits(entropy, total)[self.shards.head_slice(len(entropy))]
         self.store = self._new_store(bits)
         self.window_q = None
+        # the widths read the attention of the newest tokens: a trim keeps them
+        self.irreversible_at = max(self.irreversible_at or 0, self.offset)
 
     def head_entropy(self) -> list[float]:
         """Entropy of each KV head's attention (mean over the window's queries and
