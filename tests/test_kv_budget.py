@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 import pytest
-from tiny import prompt_tokens, tiny_model
+from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
 
 import veloxpatch
 from veloxpatch.caches.kv_budget import parse_size
@@ -142,6 +142,23 @@ def test_dense_sinks_are_priced_as_dense_rows():
     extra = bound_bytes(three, dims, 4, 64) - bound_bytes(none, dims, 4, 64)
     per_row = slot_bytes(none, 32, 4, False) - slot_bytes(none, 32, 4, True)
     assert extra == pytest.approx(3 * per_row * LAYERS_HEADS)
+
+
+def test_kvzap_prices_the_tail_it_holds_while_the_prompt_is_read():
+    # its bound covers the prompt (budget + a chunk): the tail's queries and
+    # their hidden states are held then, on top of the rows
+    from model_adapters import adapter_for
+    from veloxpatch.caches.kv_budget import bound_bytes
+
+    model = tiny_model("llama", head_dim=32)
+    dims = adapter_for(model).dims(model)
+    bound = {}
+    for tail in (0, 32):
+        opts = resolve_options(model, dict(scorer=SCORER, tail=tail, chunk=64))
+        with veloxpatch.patched(model, "kvzap", **opts) as patch:
+            bound[tail] = bound_bytes(patch.options, dims, 4, 100)
+    per_layer = 32 * (4 * 32 + model.args.hidden_size) * 4  # 4 query heads
+    assert bound[32] - bound[0] == 3 * per_layer
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,27 @@ def test_h2o_keeps_nothing_for_later_and_full_keeps_its_cache():
             assert (len(store) == 1) == stored, algo
 
 
+@pytest.mark.parametrize("tail", [32, 0])
+def test_a_short_kvzap_request_reserves_what_it_and_its_snapshot_hold(tail):
+    # capped by its tokens, the reservation still covers the working cache, its
+    # prompt-end snapshot (a compressed cache too) and the tail buffers in it
+    from veloxpatch.memory import kv_bytes
+    from veloxpatch.serve.kv import KVEstimate
+
+    model = tiny_model("llama")
+    opts = dict(budget=256, chunk=512, tail=tail, scorer=SCORER)
+    opts = resolve_options(model, opts)  # (buffers grow to the budget)
+    prompt = DOC + ASK_A
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        patch.keep_snapshots = True
+        need = KVEstimate(patch).request_bytes(len(prompt), 6)
+        cache = model.make_cache()
+        toks, _ = greedy(model, mx.array(prompt), n=6, prompt_cache=cache)
+        held = kv_bytes(cache)
+        tokens, kept, _ = kept_for_later(prompt + toks, cache)
+    assert tokens == prompt and held + kv_bytes(kept) <= need
+
+
 def test_the_reservation_counts_the_snapshot():
     from veloxpatch.serve.kv import KVEstimate
 

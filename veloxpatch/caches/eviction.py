@@ -127,6 +127,12 @@ class EvictionOptions(CacheOptions):
         sequence): query buffers, statistics."""
         return 0
 
+    def prompt_side_bytes(self, heads: int, head_dim: int, dtype_size: int) -> int:
+        """Bytes a layer holds only while the prompt is read, besides
+        `side_bytes` (kvzap's tail queries and their inputs): counted where
+        the bound covers the prompt (`peak_extra_rows`)."""
+        return 0
+
     def row_side_bytes(self, group: int) -> int:
         """Bytes each held row costs per KV head besides its key, value and
         position (its score...; `group`: query heads per KV head)."""

@@ -25,8 +25,9 @@ prompt, the others the caller's prefill chunk, on top of the budget.
 
 Plus what a layer holds besides its rows (`side_bytes`: the SnapKV family's,
 kvzip's and kvzap's buffered queries, expected_attention's query mean and
-covariance, qfilters' query moments) and per row (`row_side_bytes`: scores,
-accumulated attention, key norms).
+covariance, qfilters' query moments; where the bound covers the prompt, what
+only the prompt holds, `prompt_side_bytes`: kvzap's tail queries and inputs)
+and per row (`row_side_bytes`: scores, accumulated attention, key norms).
 
 Sliding-window layers keep mlx-lm's own caches and are not counted. Ada-KV
 pads every head to the layer's largest head: that padding depends on the
@@ -125,6 +126,8 @@ def bound_bytes(
         if sliding:
             continue
         total += options.side_bytes(heads, d, dtype_size)
+        if extra is not None:  # the bound covers the prompt: what it alone holds
+            total += options.prompt_side_bytes(heads, d, dtype_size)
         dense = slot_bytes(options, d, dtype_size, False)
         side = options.row_side_bytes(heads // kv_heads)
         if options.kv_bits is None:

@@ -102,9 +102,15 @@ class KVzapOptions(EvictionOptions):
         return 4  # each row's float32 score
 
     def side_bytes(self, heads, head_dim, dtype_size):
-        # the decode window's queries (the tail's queries and inputs are held
-        # only while the prompt is read, which the decode bound leaves out)
+        # the decode window's queries
         return heads * self.window * head_dim * dtype_size
+
+    def prompt_side_bytes(self, heads, head_dim, dtype_size):
+        # budget mode: the prompt's newest `tail` queries and their inputs
+        if self.threshold is not None:
+            return 0
+        hidden = self.hidden or heads * head_dim
+        return self.tail * (heads * head_dim + hidden) * dtype_size
 
     @property
     def capped(self) -> bool:
@@ -135,6 +141,7 @@ class KVzapOptions(EvictionOptions):
             )
         super().__post_init__()
         self.loaded = None  # per layer {w1, b1[, w2, b2]}, once bound to a model
+        self.hidden = None  # the width of the hidden state, once bound
 
     def bind(self, model, dims):
         """Load and check the scorer file against `model` (before patching)."""
@@ -151,7 +158,8 @@ class KVzapOptions(EvictionOptions):
                 "process; on a pipeline-split model use layerwise=True or a "
                 "threshold"
             )
-        self.loaded = load_scorer(self.scorer, dims, hidden_size(model))
+        self.hidden = hidden_size(model)
+        self.loaded = load_scorer(self.scorer, dims, self.hidden)
         return super().bind(model, dims)
 
 
