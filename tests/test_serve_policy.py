@@ -135,6 +135,8 @@ def test_a_short_kvzap_request_reserves_what_it_and_its_snapshot_hold(tail):
         held = kv_bytes(cache)
         tokens, kept, _ = kept_for_later(prompt + toks, cache)
     assert tokens == prompt and held + kv_bytes(kept) <= need
+    # the snapshot holds no prompt-only buffers (the tail) in any layer
+    assert all(c.tail_x is None and c.tail_queries is None for c in kept)
 
 
 def test_the_reservation_counts_the_snapshot():

@@ -274,7 +274,10 @@ class KVzapCache(EvictingCache):
         return n
 
     def end_prompt(self):
-        self.tail_queries = self.tail_x = None  # a later prompt gathers its own
+        # a later prompt gathers its own tail; every layer's goes now, as the
+        # server's snapshot copies the layers that have not seen the end yet
+        for c in self.phase_members() or [self]:
+            c.tail_queries = c.tail_x = None
         if self.options.threshold is None:
             self.compress()
 
