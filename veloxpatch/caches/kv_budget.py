@@ -111,13 +111,19 @@ def slot_bytes(options, head_dim: int, dtype_size: int, quantized: bool) -> int:
 
 
 def bound_bytes(
-    options, dims, dtype_size: int, budget: int, tokens: int | None = None
+    options,
+    dims,
+    dtype_size: int,
+    budget: int,
+    tokens: int | None = None,
+    decode: bool = False,
 ) -> float:
     """Upper bound on the bytes held at `budget` (module doc); `tokens`: the
-    most a cache will ever see, whose rows and slots it cannot exceed."""
+    most a cache will ever see, whose rows and slots it cannot exceed;
+    `decode`: once the prompt has ended (where the bound otherwise covers it)."""
     from .kv_bits import HOLE_SHARE
 
-    extra = options.peak_extra_rows()
+    extra = None if decode else options.peak_extra_rows()
     r = budget + (options.decode_extra_rows() if extra is None else extra)
     r = r if tokens is None else min(r, tokens)
     total = 0.0

@@ -11,7 +11,7 @@ its response ends:
   prompt-end snapshot the prompt cache keeps (`kept_for_later`: the SnapKV
   family and kvzip), held until the request ends. With `compress="chunks"`
   the bound alone (budget + one chunk is all a request ever holds); kvzap's
-  is twice it (its prompt-end snapshot, a compressed cache, is held too);
+  plus its decode bound (its prompt-end snapshot, compressed, is held too);
 - any other cache (full, kivi, ...): prompt + max_tokens rows at full precision.
 Rows are rounded up to the 256-row growth step, and positions (4 bytes a row)
 are counted. It is a bound, not a measurement: the per-request log line says
@@ -78,8 +78,10 @@ class KVEstimate:
             return held + self.patched_row * rows
         # no cache holds more rows than the request has tokens (grown in steps)
         bound = bound_bytes(self.options, self.dims, self.dtype, self.budget, rows)
-        if self.bounds_prompt:  # kvzap's snapshot is a compressed cache too
-            return held + int(bound) * (2 if self.snapshot else 1)
+        if self.bounds_prompt:  # kvzap's snapshot: a cache past its prompt
+            args = (self.options, self.dims, self.dtype, self.budget, rows)
+            snapshot = bound_bytes(*args, decode=True) if self.snapshot else 0
+            return held + int(bound + snapshot)
         prompt = self.patched_row * full_rows(prompt_tokens)
         if self.snapshot:
             return held + int(bound + prompt)
