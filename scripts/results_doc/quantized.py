@@ -286,23 +286,9 @@ def rotated() -> list[str]:
     findings = []
     for name in names:
         res = load(name)
-        cfg = res["config"]
         t = {r["arm"]: r for r in res["continuation"]["table"]}
-        source = cfg.get("text") or "evaluation"
-        lines += [
-            f"Prose: `{source}`.",
-            "",
-            meta(name, res),
-            "",
-            *table(
-                ["arm", "ppl", "agreement with full", "KL(full ‖ arm)", "KV MB"],
-                ppl_rows(res),
-            ),
-            "",
-            *command("veloxpatch eval", cfg, PPL_KEYS + ["text"], RENAME),
-            "",
-        ]
-        findings += _rotation_findings(source, t)
+        lines += _continuation_run(name, res, PPL_KEYS + ["text"])
+        findings += _rotation_findings(res["config"].get("text") or "evaluation", t)
     grids = _grid_study()
     evicting = _evicting_sinks()
     return (
@@ -339,22 +325,27 @@ def _evicting_sinks() -> list[str]:
         "",
     ]
     for name in names:
-        res = load(name)
-        cfg = res["config"]
-        out += [
-            f"Prose: `{cfg.get('text') or 'evaluation'}`.",
-            "",
-            meta(name, res),
-            "",
-            *table(
-                ["arm", "ppl", "agreement with full", "KL(full ‖ arm)", "KV MB"],
-                ppl_rows(res),
-            ),
-            "",
-            *command("veloxpatch eval", cfg, AT_BYTES_KEYS, RENAME),
-            "",
-        ]
+        out += _continuation_run(name, load(name), AT_BYTES_KEYS)
     return out
+
+
+def _continuation_run(name: str, res: dict, keys: list[str]) -> list[str]:
+    """A `veloxpatch eval` continuation run: its prose, metadata, table of
+    ppl, agreement, KL and KV MB per arm, and its command."""
+    cfg = res["config"]
+    return [
+        f"Prose: `{cfg.get('text') or 'evaluation'}`.",
+        "",
+        meta(name, res),
+        "",
+        *table(
+            ["arm", "ppl", "agreement with full", "KL(full ‖ arm)", "KV MB"],
+            ppl_rows(res),
+        ),
+        "",
+        *command("veloxpatch eval", cfg, keys, RENAME),
+        "",
+    ]
 
 
 GRID_STUDY = "quantizer_grid_rotated"

@@ -48,7 +48,7 @@ from .kv_options import (  # noqa: F401  (the names callers import from here)
     dense_sinks,
     layer_total,
 )
-from .quantized import QuantizedStore, qjl_matrix, rotation_signs
+from .quantized import QuantizedStore, qjl_matrix, rotation_signs, sinks_then_groups
 from .qview import QuantizedView
 from .storage import PAD_POSITION
 
@@ -198,9 +198,7 @@ class QuantizedKV:
         if self.store is None:
             return False
         o = self.options
-        past = max(0, n - o.kv_residual)
-        lead = min(past, self._sinks)
-        fresh = lead + (past - lead) // o.kv_group * o.kv_group
+        fresh = sinks_then_groups(max(0, n - o.kv_residual), self._sinks, o.kv_group)
         if self.slot is None:
             return min(n, self.quantized) > fresh
         held = (self.slot[..., :n] < self.quantized).sum(-1)

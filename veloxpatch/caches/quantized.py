@@ -441,6 +441,13 @@ class QuantizedRows:
             setattr(self, n, st.get(f"{prefix}.{n}"))
 
 
+def sinks_then_groups(n: int, sinks: int, group: int) -> int:
+    """How many of n rows a store quantizes: up to `sinks` (held dense), then
+    whole groups."""
+    lead = min(n, sinks)
+    return lead + (n - lead) // group * group
+
+
 class QuantizedStore:
     """Quantized rows of every KV head, each head at its own width (`bits`, one
     per head): heads of one width are stored together, and what attention
@@ -500,8 +507,7 @@ class QuantizedStore:
     def to_fill(self, n: int) -> int:
         """How many of n rows past the residual to add: the sinks still
         missing, then whole groups."""
-        lead = min(n, self._sinks_missing())
-        return lead + (n - lead) // self.group * self.group
+        return sinks_then_groups(n, self._sinks_missing(), self.group)
 
     def _split(self, x: mx.array):
         if len(self.parts) == 1:

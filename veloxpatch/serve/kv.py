@@ -77,9 +77,9 @@ class KVEstimate:
         if self.budget is None:
             return held + self.patched_row * rows
         # no cache holds more rows than the request has tokens (grown in steps)
-        bound = bound_bytes(self.options, self.dims, self.dtype, self.budget, rows)
+        args = (self.options, self.dims, self.dtype, self.budget, rows)
+        bound = bound_bytes(*args)
         if self.bounds_prompt:  # kvzap's snapshot: a cache past its prompt
-            args = (self.options, self.dims, self.dtype, self.budget, rows)
             snapshot = bound_bytes(*args, decode=True) if self.snapshot else 0
             return held + int(bound + snapshot)
         prompt = self.patched_row * full_rows(prompt_tokens)
