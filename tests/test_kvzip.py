@@ -377,6 +377,36 @@ def test_generate_reconstructs_the_prompt_from_its_ids(monkeypatch):
         assert same > 0.9  # float noise of a different chunking may swap near-ties
 
 
+@pytest.mark.parametrize("save", ["mlx_lm", "veloxpatch"])
+def test_a_context_saved_mid_prompt_is_reconstructed_when_the_question_ends_it(
+    tmp_path, monkeypatch, save
+):
+    """mlx_lm.cache_prompt saves a context before its prompt ends: the file
+    carries the ids the patch recorded, so the question sent next runs the
+    reconstruction over context and question, as on the original caches."""
+    from mlx_lm.models import cache as mlx_cache
+
+    model = tiny_model("llama")
+    context, question = prompt_tokens(40), prompt_tokens(12, seed=3)
+    seen = spy_reconstruct(monkeypatch)
+    path = str(tmp_path / "c.safetensors")
+    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=12, window=4) as p:
+        caches = p.make_cache()
+        model(context[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        if save == "mlx_lm":
+            mlx_cache.save_prompt_cache(path, caches)
+            loaded = mlx_cache.load_prompt_cache(path)
+        else:
+            veloxpatch.save_cache(path, caches)
+            loaded = veloxpatch.load_cache(path)
+        t1, l1 = greedy(model, question, n=4, prompt_cache=caches)
+        t2, l2 = greedy(model, question, n=4, prompt_cache=loaded)
+    whole = context.tolist() + question.tolist()
+    assert [ids for ids, _ in seen] == [whole, whole]
+    assert t1 == t2 and max_abs(l1, l2) == 0.0
+
+
 def test_a_second_turn_after_an_answer_reconstructs_the_answer_and_prompt(
     monkeypatch,
 ):

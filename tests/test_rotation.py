@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import greedy
+from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import make_prompt_cache
 from tiny import prompt_tokens, tiny_model
 
@@ -185,6 +186,28 @@ def test_query_power_before_the_first_group_survives_a_file(tmp_path):
         for a, b in zip(caches, loaded):
             assert a.query_power is None and a.store.key_scale is not None
             assert mx.array_equal(a.store.key_scale, b.store.key_scale)
+
+
+@pytest.mark.parametrize("rotation", ["query", "hadamard"])
+def test_a_trim_before_the_first_group_cannot_take_back_the_query_sums(rotation):
+    # the sums hold the trimmed tokens' queries: the server must not hand the
+    # trimmed cache to another request as if it had seen only the shared tokens
+    from veloxpatch.serve.kv import trimmed_exactly
+
+    model = tiny_model("llama", head_dim=D)
+    opts = dict(bits=2, residual=4, group=32, kv_rotate=rotation, kv_sinks=0)
+    with veloxpatch.patched(model, "kivi", **opts) as patch:
+        caches = patch.make_cache()
+        model(prompt_tokens(28)[None], cache=caches)
+        assert caches[0].store.rows == 0  # nothing quantized yet
+        mlx_cache.trim_prompt_cache(caches, 18)
+        exact = trimmed_exactly(caches, 10)
+        reused = model(prompt_tokens(28)[None, 10:], cache=caches)
+        fresh = model(prompt_tokens(28)[None], cache=patch.make_cache())[:, 10:]
+    if rotation == "query":
+        assert not exact
+    else:  # nothing but the rows: the trim is exact
+        assert exact and rel(reused, fresh) < 1e-5
 
 
 @pytest.mark.parametrize(

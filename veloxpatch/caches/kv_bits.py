@@ -204,6 +204,11 @@ class QuantizedKV:
         held = (self.slot[..., :n] < self.quantized).sum(-1)
         return int(held.max().item()) > fresh
 
+    @property
+    def trim_keeps_queries(self) -> bool:
+        # kv_rotate="query" sums the queries until the first group's scales are set
+        return self.query_power is not None or super().trim_keeps_queries
+
     def trim(self, n):
         n = super().trim(n)
         if n and self.window_q is not None:

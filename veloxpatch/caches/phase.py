@@ -42,7 +42,7 @@ class PromptPhase:
         self.members = []  # weakrefs to the caches sharing it (model-wide choices)
         self.id = uuid.uuid4().hex  # lets the layers of a saved list share one again
         # token ids of positions tokens_start.. as the patch saw them (kvzip's
-        # reconstruction reads them); not saved with the caches
+        # reconstruction reads them); kvzip's caches save them
         self.tokens: list[int] = []
         self.tokens_start = 0
         self.suspended = False  # a scoring pass runs inside the prompt

@@ -182,6 +182,7 @@ class KVzipCache(EvictingCache):
         self.decode_queries = None  # last `window` decode queries [B, Hq, n, D]
         self.decode_rows = None  # rows kept at each decode recompression
         self.tail_queries = None  # the context's last `tail` queries [B, Hq, n, D]
+        self._loaded_ids = None  # a loaded file's token ids, until its meta
 
     @property
     def wants_layer_input(self) -> bool:
@@ -449,9 +450,13 @@ class KVzipCache(EvictingCache):
         return super().side_arrays() + [a for a in held if a is not None]
 
     def extra_state(self):
+        # the ids the patch recorded: a cache saved mid-prompt (mlx_lm.cache_prompt)
+        # reconstructs its prompt when the question ends it, as the original does
+        ids = self.phase.tokens
         named = {
             "decode_queries": self.decode_queries,
             "tail_queries": self.tail_queries,
+            "token_ids": mx.array(ids, dtype=mx.int32) if ids else None,
         }
         return super().extra_state() | {k: v for k, v in named.items() if v is not None}
 
@@ -459,6 +464,7 @@ class KVzipCache(EvictingCache):
         super().load_extra_state(st)
         self.decode_queries = st.get("decode_queries")
         self.tail_queries = st.get("tail_queries")
+        self._loaded_ids = st.get("token_ids")  # the phase comes with the meta
 
     def extra_meta(self):
         return {
@@ -466,6 +472,7 @@ class KVzipCache(EvictingCache):
             "context_end": self.context_end,
             "compressed_ends": self.compressed_ends,
             "decode_rows": self.decode_rows,
+            "token_ids_start": self.phase.tokens_start,
         }
 
     def load_extra_meta(self, m):
@@ -473,3 +480,8 @@ class KVzipCache(EvictingCache):
         self.context_end = m.get("context_end")
         self.compressed_ends = int(m.get("compressed_ends", -1))
         self.decode_rows = m.get("decode_rows")
+        ids = self._loaded_ids
+        if ids is not None:  # every layer saved the same ids (one phase)
+            self.phase.tokens = ids.tolist()
+            self.phase.tokens_start = int(m.get("token_ids_start", 0))
+        self._loaded_ids = None
