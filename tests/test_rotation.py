@@ -11,7 +11,7 @@ import pytest
 from helpers import greedy
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import make_prompt_cache
-from tiny import prompt_tokens, tiny_model
+from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
 
 import veloxpatch
 from veloxpatch.caches import ALGORITHMS
@@ -186,6 +186,28 @@ def test_query_power_before_the_first_group_survives_a_file(tmp_path):
         for a, b in zip(caches, loaded):
             assert a.query_power is None and a.store.key_scale is not None
             assert mx.array_equal(a.store.key_scale, b.store.key_scale)
+
+
+def test_a_first_group_formed_by_compaction_reads_the_query_sums_so_far(tmp_path):
+    # kvzap's threshold keeps the rows few: only the dense sink is quantized when
+    # the file is saved, and a compaction forms the first group afterwards
+    model = tiny_model("llama", head_dim=D)
+    opts = dict(scorer=SCORER, threshold=0.0, window=4, kv_bits=2, kv_residual=8)
+    opts = resolve_options(model, dict(opts, kv_group=32, kv_rotate="query"))
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        caches = patch.make_cache()
+        model(prompt_tokens(60)[None], cache=caches)
+        assert all(c.store.rows == 1 and not c._scaled for c in caches)
+        veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
+        loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
+        for cs in (caches, loaded):
+            model(prompt_tokens(200, seed=2)[None], cache=cs)
+        ref = [c.store.key_scale for c in caches]
+        more = prompt_tokens(8)[None]
+        out, ref_out = (model(more, cache=c) for c in (loaded, caches))
+    for c, scale in zip(loaded, ref):
+        assert mx.array_equal(c.store.key_scale, scale)
+    assert mx.array_equal(out, ref_out)
 
 
 @pytest.mark.parametrize("rotation", ["query", "hadamard"])

@@ -27,6 +27,7 @@ widths come from the tokens so far once a group is past the residual.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import mlx.core as mx
@@ -248,7 +249,8 @@ class QuantizedKV:
         exact = firsts // g < n_intact[..., None]
         gid = mx.take_along_axis(src, mx.broadcast_to(firsts, (B, H, new_tq // g)), -1)
         new_k, new_v = keys[:, :, :new_tq], values[:, :, :new_tq]
-        self.store.rebuild(new_k, new_v, exact, gid // g, src[..., :new_tq])
+        with self._first_scales():  # the first group may be formed here
+            self.store.rebuild(new_k, new_v, exact, gid // g, src[..., :new_tq])
         self.keys, self.values = keys[:, :, new_tq:], values[:, :, new_tq:]
         self.slot = None
         if tq:
@@ -334,12 +336,21 @@ class QuantizedKV:
                 return  # adaptive: widths are chosen when the prompt ends
         n = self.store.to_fill(self.keys.shape[2] - o.kv_residual)
         if n > 0:
-            if self.query_power is not None:  # the first group's scales use them
-                self.store.query_power = self.query_power / self.query_count
-            self.store.append(self.keys[:, :, :n], self.values[:, :, :n])
+            with self._first_scales():
+                self.store.append(self.keys[:, :, :n], self.values[:, :, :n])
             # copied out: the residual's slice would hold the call's dense rows
             self.keys = mx.contiguous(self.keys[:, :, n:])
             self.values = mx.contiguous(self.values[:, :, n:])
+
+    @contextlib.contextmanager
+    def _first_scales(self):
+        """Rows quantized inside: kv_rotate="query"'s first group sets the key
+        scales from the query sums so far (the store gets them only for this
+        call: a sink alone sets none, and a later group must read newer sums)."""
+        if self.query_power is not None:
+            self.store.query_power = self.query_power / self.query_count
+        yield
+        self.store.query_power = None
         if self._scaled and self.query_count:  # the scales were set just now
             # from every query so far: a trim cannot take those back
             self.irreversible_at = max(self.irreversible_at or 0, self.offset)
