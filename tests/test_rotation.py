@@ -332,6 +332,10 @@ def test_grid_options_are_checked():
         make_options("snapkv", {"kv_grid": "gaussian"})
     _, opts = make_options("snapkv", {"kv_bits": 4, "kv_grid": "mxfp4"})
     assert opts.kv_grid == "mxfp4"
+    for algo, bits in (("snapkv", "kv_bits"), ("kivi", "bits")):
+        mx16 = {bits: 4, "kv_grid": "mxfp4", "kv_scales": "float16"}
+        with pytest.raises(OptionError, match="its own 8-bit scales"):
+            make_options(algo, mx16)
 
 
 @pytest.mark.parametrize("grid", ["minmax", "gaussian", "mlx"])

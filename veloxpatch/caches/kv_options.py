@@ -90,6 +90,11 @@ def check_grid(
             f"kv_grid='mxfp4' is 4 bits in groups of 32: set {prefix}bits=4 and "
             f"{prefix}group=32 (got {bits!r} and {group!r})"
         )
+    if grid == "mxfp4" and scales != "model":
+        raise OptionError(
+            "kv_grid='mxfp4' keeps its own 8-bit scales: kv_scales is for the "
+            "affine grids"
+        )
 
 
 def check_qjl(qjl, bits, keys, grid, prefix: str = "") -> None:
