@@ -1,6 +1,8 @@
 """`veloxpatch compress` then `veloxpatch generate --cache`: one compressed
 context, several questions."""
 
+import shutil
+from pathlib import Path
 from pydoc_data.topics import topics
 
 import pytest
@@ -28,6 +30,27 @@ def test_compress_once_then_ask_twice(tmp_path):
         )
         assert got.exit_code == 0, got.output
         assert "[kvzip]" in got.output and "KV held" in got.output
+
+
+@smollm
+def test_a_cache_asked_from_another_directory_finds_its_scorer(tmp_path, monkeypatch):
+    # the scorer was named relative to where compress ran
+    scorer = (
+        Path(__file__).parents[1] / "scripts/results/smollm2_kvzap_linear.safetensors"
+    )
+    shutil.copy(scorer, tmp_path / "s.safetensors")
+    (tmp_path / "ctx.txt").write_text(topics["assert"][:2000])
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    made = run(
+        "compress", "--context", "ctx.txt", "--algo", "kvzap", "--budget", "48",
+        "--algo-arg", "scorer=s.safetensors", "--out", "ctx.safetensors",
+    )  # fmt: skip
+    assert made.exit_code == 0, made.output
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    got = run("generate", "--cache", "../ctx.safetensors", "--prompt", "Why?")
+    assert got.exit_code == 0, got.output
+    assert "[kvzap]" in got.output
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ def compress(model, context_path, algo, budget, algo_args, out, force, chat):
     """Prefill and compress a context with no question; save its cache to OUT."""
     from .api import apply, make_options
     from .caches.io import save_cache
+    from .caches.options import absolute_paths
     from .calibration_files import fingerprint
     from .memory import full_kv_bytes, kv_bytes
     from .models import load
@@ -71,7 +72,7 @@ def compress(model, context_path, algo, budget, algo_args, out, force, chat):
         seconds = time.perf_counter() - start
         meta = {
             "algo": algo,
-            "options": json.dumps(options),
+            "options": json.dumps(absolute_paths(options)),
             "tail": tail,
             "fingerprint": json.dumps(fingerprint(m), sort_keys=True),
             "context_tokens": str(len(ids)),

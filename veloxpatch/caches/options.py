@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 from ..errors import OptionError
@@ -55,8 +56,21 @@ def check_choice(name: str, value, choices) -> None:
         raise OptionError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
+PATH_OPTIONS = ("codebook", "filters", "scorer")  # the options that name a file
+
+
+def absolute_paths(options: dict) -> dict:
+    """`options` with the files they name made absolute (options saved in a file
+    and applied again from another directory)."""
+    return {
+        k: os.path.abspath(v) if k in PATH_OPTIONS and isinstance(v, str) else v
+        for k, v in options.items()
+    }
+
+
 def check_path(name: str, value) -> None:
     """A file path option (None is allowed by the caller before this)."""
+    assert name in PATH_OPTIONS, name  # absolute_paths must know it
     if not isinstance(value, str) or not value:
         raise OptionError(f"{name} must be a file path, got {value!r}")
 
