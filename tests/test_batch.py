@@ -260,7 +260,7 @@ def test_deep_copies_of_quantized_rows_are_independent(algo, opts):
     with veloxpatch.patched(model, algo, **opts) as patch:
         caches = patch.make_cache()
         model(prompt_tokens(70)[None], cache=caches)
-        model(mx.array([[7]]), cache=caches)  # the prompt ends: rows quantized
+        patch.end_prompt()  # the prompt ends: rows quantized
         assert caches[0].store is not None and caches[0].store.rows
         twin = copy.deepcopy(caches)
         held = [(c.rows, c.slots, c.quantized) for c in twin]

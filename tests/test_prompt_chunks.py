@@ -45,8 +45,8 @@ def rows_seen(caches):
     return seen
 
 
-def run(algo, opts, step, n=6, prompt=PROMPT):
-    model = tiny_model("llama")
+def run(algo, opts, step, n=6, prompt=PROMPT, **model_args):
+    model = tiny_model("llama", **model_args)
     with veloxpatch.patched(model, algo, **opts) as patch:
         caches = patch.make_cache()
         seen = rows_seen(caches)
@@ -98,6 +98,16 @@ def test_the_callers_chunking_changes_nothing(algo):
     for toks, rows, _, _ in runs[1:]:
         assert toks == runs[0][0]
         np.testing.assert_allclose(rows, runs[0][1], atol=1e-4)
+
+
+@pytest.mark.parametrize("algo", ["snapkv", "expected_attention"])
+def test_quantized_rows_wait_for_the_prompt_end_whatever_the_chunking(algo):
+    """With `kv_bits` the prompt is held at full precision until it ends, as
+    without: a later prefill chunk never reads rows quantized by an earlier."""
+    opts = {**CHUNKED[algo], "kv_bits": 2, "kv_residual": 4}
+    runs = [run(algo, opts, step, head_dim=32) for step in (5, 2048)]
+    assert runs[1][0] == runs[0][0]
+    np.testing.assert_allclose(runs[1][1], runs[0][1], atol=1e-4)
 
 
 def test_chunked_compression_changes_what_is_kept():
