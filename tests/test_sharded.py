@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sharded_worker import BATCHED
 from tiny import SCORER, tiny_model
 
 import veloxpatch
@@ -98,6 +99,7 @@ def test_every_rank_keeps_what_the_whole_model_keeps(ranks):
     for split in ("tensor", "pipeline"):
         expected |= {f"{split}/{v}" for v in ("kvzip-layerwise", "kvzap-layerwise")}
         expected.add(f"{split}/kvzap-threshold")
+        expected |= {f"{split}/batch-{name}" for name, _, _ in BATCHED}
     failures = []
     for result in ranks:
         assert result["size"] == RANKS

@@ -79,7 +79,15 @@ class VeloxCache(RowStorage):
     wants_token_ids: ClassVar[bool] = False  # the patch sees whole-model calls
     batchable: ClassVar[bool] = False  # `merge` builds a batch (caches/batch.py)
     batch_refusal: ClassVar[str] = "its batch contract is not implemented"
-    _shared_attrs: ClassVar[tuple] = ("options", "shards", "probe", "book")  # deepcopy
+    # not deep-copied: kvzap's o_proj is the model's module (an nn.Module is a dict)
+    _shared_attrs: ClassVar[tuple] = (
+        "options",
+        "shards",
+        "probe",
+        "book",
+        "o_proj",
+        "layer_input",
+    )
     # What a server keeps of this cache for later requests (serve/kv.py):
     # "as_is": the kept set never reads a query, so any state of it is agnostic;
     # "prompt": the copy taken as the prompt ends, before its question-aware

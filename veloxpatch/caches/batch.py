@@ -150,6 +150,16 @@ class SequenceBatch(BatchCache):
         """Tokens each sequence has seen (what RoPE and Ministral 3 read)."""
         return mx.array([c.offset for c in self.caches], dtype=mx.int32)
 
+    # mlx-lm's pipeline stages make the last layer's keys depend on what they
+    # send on; every sequence's state is evaluated, so one sequence's will do
+    @property
+    def keys(self):
+        return self.caches[-1].keys
+
+    @keys.setter
+    def keys(self, value):
+        self.caches[-1].keys = value
+
     def attend(self, q, k, v, *, rope, scale, query_scale=None):
         B, _, L, _ = q.shape
         if B != len(self.caches):
@@ -180,6 +190,7 @@ class SequenceBatch(BatchCache):
                 scale=scale,
                 query_scale=qs,
             )
+            c.layer_input = None  # only during the call (its o_proj is the model's)
             if end - start < L:
                 o = mx.pad(o, [(0, 0), (0, 0), (start, L - end), (0, 0)])
             outs.append(o)

@@ -32,6 +32,14 @@ class FullBatch(BatchCache):
     def offset(self):
         return self.inner.offset
 
+    @property
+    def keys(self):  # mlx-lm's pipeline stages set it (see SequenceBatch.keys)
+        return self.inner.keys
+
+    @keys.setter
+    def keys(self, value):
+        self.inner.keys = value
+
     def attend(self, q, k, v, *, rope, scale, query_scale=None):
         inner = self.inner
         mask = inner.make_mask(q.shape[2])  # what mlx-lm builds before the layers
