@@ -130,7 +130,7 @@ def later_bullets() -> list[str]:
         at, pre = prefill_ratios()
         if "kvzap" in pre and "kvzip" in pre:
             cost = (
-                f"; prefill {pre['kvzap']:.2f}x unpatched's tok/s (`kvzip` "
+                f"; prefill {pre['kvzap']:.2f}x unpatched's (`kvzip` "
                 f"{pre['kvzip']:.2f}x) at {at:,} tokens"
             )
         lean = ""
@@ -139,12 +139,24 @@ def later_bullets() -> list[str]:
             kb = next(r for r in rows.values() if r["algo"] == "kvzap")
             m4 = rows["mlx.quantized:kv_bits=4"]
             lean = (
-                f"; 4-bit, agnostic passkey {count(kb)} at {kb['kv_mb']:.1f} MB "
-                f"(mlx-lm's 4-bit {count(m4)} at {m4['kv_mb']:.1f} MB)"
+                f"; 4-bit, passkey {count(kb)} at {kb['kv_mb']:.1f} MB "
+                f"(mlx-lm's 4-bit {count(m4)}, {m4['kv_mb']:.1f} MB)"
             )
+        kl = {"kvzap": [], "kvzip": []}  # over ten segments of each prose
+        for name in ("ppl_kvzap_segments", "ppl_kvzap_segments_licenses"):
+            if (rm.RESULTS / f"{name}.json").exists():
+                for r in load(name)["continuation"]["table"]:
+                    if r["algo"] in kl:
+                        kl[r["algo"]].append(f"{r['kl']:.3f}")
+        kl = (
+            f"; KL over 10 segments {' and '.join(kl['kvzap'])} (`kvzip` "
+            f"{', '.join(kl['kvzip'])})"
+            if kl["kvzap"]
+            else ""
+        )
         out.append(
             "- `kvzap` (kvzip's scores predicted, no second pass): "
-            f"{count(kz)} with the question in the prompt{cost}{lean}."
+            f"{count(kz)} with the question in the prompt{kl}{cost}{lean}."
         )
     if (rm.RESULTS / "eval_rotated_kl.json").exists():
         parts, ratio = [], None

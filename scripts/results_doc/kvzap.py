@@ -48,6 +48,9 @@ AGNOSTIC_TARGET = "passkey_kvzap_target"
 # 4-bit rows at the rows kvzip keeps under mlx-lm's 4-bit cache's bytes
 AGNOSTIC_BYTES = "passkey_kvzap_bytes"
 KL_BYTES = "ppl_kvzap_bytes"
+# ten segments a prose, kvzip in the same run (the runs above have three)
+KL_SEGMENTS = "ppl_kvzap_segments"
+KL_SEGMENTS_LICENSES = "ppl_kvzap_segments_licenses"
 
 
 def _have(name: str) -> bool:
@@ -482,6 +485,19 @@ def kvzap() -> list[str]:
             KL_KEYS,
         ),
     ]
+    kl_runs += [
+        (
+            KL_SEGMENTS,
+            "### The continuation over ten segments\n\n"
+            "The runs above have three segments a prose, and kvzip's KL moves "
+            "more between segments than between most arms. kvzap at its "
+            "defaults and kvzip on ten segments spread evenly over the "
+            "evaluation prose (the first and last as above, eight no run above "
+            "read), in one run:",
+            KL_KEYS,
+        ),
+        (KL_SEGMENTS_LICENSES, "The same on the second prose:", KL_KEYS),
+    ]
     for name, intro, keys in kl_runs:
         if _have(name):
             rows = load(name)["continuation"]["table"]
@@ -489,6 +505,8 @@ def kvzap() -> list[str]:
             body = grid(rows, cell)
             if name == KL_BYTES:  # at equal bytes the bytes are the point
                 body += ["", *_kv(rows)]
+            if name in (KL_SEGMENTS, KL_SEGMENTS_LICENSES):
+                body += ["", f"- {_paired(name)}"]
             parts += _run(name, intro, body, keys)
     benches = [
         (
@@ -592,11 +610,17 @@ def summary() -> list[str]:
                 f"{b['correct']}/{b['cases']} ({ratio:.2f}x)"
             )
     for what, names, theirs in (
-        ("continuation KL", (KL_TAIL, KL_DECODE), KL_DECODE),
+        ("continuation KL (3 segments)", (KL_TAIL, KL_DECODE), KL_DECODE),
         (
-            "second prose's continuation KL",
+            "second prose's continuation KL (3 segments)",
             (KL_TAIL_LICENSES, KL_DECODE_LICENSES),
             KL_LICENSES,
+        ),
+        ("continuation KL (10 segments, one run)", (KL_SEGMENTS,), KL_SEGMENTS),
+        (
+            "second prose's continuation KL (10 segments, one run)",
+            (KL_SEGMENTS_LICENSES,),
+            KL_SEGMENTS_LICENSES,
         ),
     ):
         a = newest(names, "continuation", default)
@@ -642,6 +666,23 @@ def summary() -> list[str]:
         "",
         *_at_mlx_bytes(),
     ]
+
+
+def _paired(name: str) -> str:
+    """kvzap (defaults) against kvzip segment by segment in one run."""
+    by: dict = {}
+    for r in load(name)["continuation"]["raw"]:
+        by.setdefault(r["segment"], {})[r["algo"]] = r["kl"]
+    diffs = [
+        s["kvzap"] - s["kvzip"] for s in by.values() if {"kvzap", "kvzip"} <= set(s)
+    ]
+    mean = sum(diffs) / len(diffs)
+    verdict = "**loss**: " if mean > 0 else ""
+    return (
+        f"{verdict}kvzap's KL minus kvzip's, per segment: mean {mean:+.4f}, from "
+        f"{min(diffs):+.3f} to {max(diffs):+.3f}; kvzap lower in "
+        f"{sum(d < 0 for d in diffs)} of {len(diffs)}"
+    )
 
 
 def _kvzip_target() -> list[str]:
