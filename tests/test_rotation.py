@@ -445,15 +445,27 @@ def test_a_rebuilt_rotated_store_holds_the_rows_it_was_given(keys):
 
 
 @pytest.mark.parametrize("rotation", ["hadamard", "query"])
-def test_evicting_rotated_rows_down_to_the_residual_keeps_the_rows_kept(rotation):
+def test_evicting_rotated_rows_down_to_the_residual_keeps_the_rows_kept(
+    rotation, monkeypatch
+):
     # a compaction that leaves no whole group past the residual rebuilds an
-    # empty store (it once rotated the empty rows and failed)
+    # empty store (it once rotated the empty rows and failed): cut in chunks of
+    # the prompt, each after its rows past the residual were quantized
     model = tiny_model("llama", head_dim=D)
     ids = prompt_tokens(300)
-    opts = dict(budget=64, kv_bits=8, kv_rotate=rotation)
+    opts = dict(budget=64, kv_bits=8, kv_rotate=rotation, kv_residual=40)
+    opts |= dict(compress="chunks", chunk=64)
+    emptied, rebuild = [], QuantizedStore.rebuild
+
+    def spy(store, k, *args):
+        emptied.append(k.shape[2] == 0 and store.rows > store.sink_rows)
+        return rebuild(store, k, *args)
+
+    monkeypatch.setattr(QuantizedStore, "rebuild", spy)
     with veloxpatch.patched(model, "snapkv", **opts) as patch:
         caches = patch.make_cache()
         greedy(model, ids, n=8, prefill_step_size=64, prompt_cache=caches)
+    assert any(emptied)
     plain = make_prompt_cache(model)  # layer 0's keys are the tokens' own
     model(ids[None], cache=plain)
     first = caches[0]
