@@ -154,6 +154,41 @@ def test_speculative_decoding_matches_plain_decoding(target, draft):
     assert spec == plain
 
 
+@pytest.mark.parametrize(
+    "algo,opts",
+    [
+        ("snapkv", dict(budget=200, kv_bits=8, kv_residual=4)),
+        ("snapkv", dict(budget=12, window=4)),
+        ("expected_attention", dict(budget=12, sinks=2, window=4)),
+        ("kvzip", dict(budget=12, sinks=2, window=4)),
+    ],
+)
+def test_a_speculative_target_ends_its_prompt_and_keeps_its_bound(algo, opts):
+    """speculative_generate_step never sends the target a lone token: the
+    prompt's last one leads the first verify call. It is attended first and
+    alone, so the prompt ends (compresses, quantizes) before the drafts."""
+    model = tiny_model("llama", head_dim=HEAD_DIM)
+    draft = tiny_model("llama", head_dim=HEAD_DIM, seed=1, num_hidden_layers=1)
+    prompt = prompt_tokens(60)
+    with veloxpatch.patched(model, algo, **opts) as patch:
+        plain = [t for t, _ in generate_step(prompt, model, max_tokens=12)]
+        caches = patch.make_cache()
+        steps = speculative_generate_step(
+            prompt,
+            model,
+            draft,
+            num_draft_tokens=3,
+            max_tokens=12,
+            prompt_cache=caches + mlx_cache.make_prompt_cache(draft),
+        )
+        spec = [t for t, _, _ in steps]
+    assert all(c.phase.ends == 1 and not c.in_prompt for c in caches)
+    if opts["budget"] > len(prompt) + 12:  # nothing evicted: plain decoding's
+        assert spec == plain and caches[0].quantized > 0
+    else:  # the budget, the decode window and one verify call's drafts
+        assert max(c.rows for c in caches) <= opts["budget"] + opts["window"] + 3
+
+
 def test_max_kv_size_is_the_budget_and_kv_bits_is_refused_up_front():
     model = tiny_model("qwen3")
     p = prompt_tokens(60)

@@ -8,8 +8,10 @@ half-patched. Restoring puts back the very same objects.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import mlx_flags, mlx_lm_internals, patcher
@@ -166,7 +168,30 @@ class Patch:
             check(dims, kv_dtype_size(self.model), n_tokens, new)
 
     def _model_forward(self, wrapped, model, args, kwargs):
+        if mlx_lm_internals.in_speculative_step(sys._getframe(1), 6):
+            return self._speculative_call(wrapped, model, args, kwargs)
         return self.cache_cls.model_call(self, wrapped, model, args, kwargs)
+
+    def _speculative_call(self, wrapped, model, args, kwargs):
+        """A model call of mlx-lm's speculative decoding: generated tokens. The
+        target's first verify call leads with the prompt's last token, which
+        goes first and alone, as generate_step sends it: the prompt then ends
+        (compresses) before the drafts attend, as in plain decoding."""
+        ids, rest = args[0], args[1:]
+        cache = kwargs.get("cache", rest[0] if rest else None)
+        ours = [c for c in cache or () if isinstance(c, VeloxCache)]
+        if not ours or ids.ndim != 2 or ids.shape[1] == 1:
+            return self.cache_cls.model_call(self, wrapped, model, args, kwargs)
+        phase = ours[0].phase
+        outs = []
+        if phase.in_prompt:
+            first = (ids[:, :1], *rest)
+            outs.append(self.cache_cls.model_call(self, wrapped, model, first, kwargs))
+            ids = ids[:, 1:]
+        with phase.decoding():
+            call = (ids, *rest)
+            outs.append(self.cache_cls.model_call(self, wrapped, model, call, kwargs))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
     def end_prompt(self, caches=None) -> None:
         """Tell the caches the prompt is over (for callers that drive
@@ -189,8 +214,8 @@ class Patch:
             del _PATCHES[id(model)]
             raise
         try:
-            if self.cache_cls.wants_token_ids:
-                patcher.register_model(model, self._model_forward)
+            # every call of the whole model: kvzip's ids, speculative decoding
+            patcher.register_model(model, self._model_forward)
             model.make_cache = self.make_cache
         except BaseException:
             self._uninstall()

@@ -226,7 +226,8 @@ INTERNALS = (
     Internal(
         "mlx_lm.generate:speculative_generate_step",
         "kv_bits a local (read from its frame: mlx_flags.py); `state` evaluated "
-        "after each prefill chunk (caches/phase.py)",
+        "after each prefill chunk (caches/phase.py); its `_step` makes every "
+        "model call after the prefill (api.py)",
         source_sha256=(
             "84bed200ad064afddeaeb972f79469cce568f74ccc8813d8f5cda7c97ea1d0fd"
         ),
@@ -456,6 +457,27 @@ def prompt_cache_request(frame) -> tuple[int | None, int | None] | None:
     if caller is not None and caller.f_code in _step_codes():
         kv_bits = caller.f_locals.get("kv_bits")
     return frame.f_locals.get("max_kv_size"), kv_bits
+
+
+def in_speculative_step(frame, limit: int) -> bool:
+    """Whether `frame` (within `limit` frames up) runs the `_step` of mlx-lm's
+    speculative_generate_step: its model calls are generated tokens, the
+    target's verify call led by the prompt's last token (caches/phase.py)."""
+    code = next(
+        (
+            c
+            for c in _generate.speculative_generate_step.__code__.co_consts
+            if getattr(c, "co_name", None) == "_step"
+        ),
+        None,
+    )
+    for _ in range(limit):
+        if frame is None or code is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def step_kv_bits(frame, limit: int):

@@ -19,6 +19,10 @@ decoding (pinned in mlx_lm_internals): caches report that read with
 
 `ends` counts prompt ends; a cache that has seen fewer runs its `end_prompt`
 hook before attending (or at once, on `Patch.end_prompt()`).
+
+mlx-lm's speculative decoding sends its target only calls of several tokens,
+the first led by the prompt's last token: the patch attends that token alone,
+then the rest inside `decoding()`, calls of generated tokens (api.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class PromptPhase:
         self.tokens: list[int] = []
         self.tokens_start = 0
         self.suspended = False  # a scoring pass runs inside the prompt
+        self.decode_call = False  # the call's tokens are generated ones (`decoding`)
         # the server's prompt cache: a copy of the caches at the last prompt end,
         # before any question-aware compression (`VeloxCache.take_snapshot`)
         self.keep_snapshot = False
@@ -69,12 +74,12 @@ class PromptPhase:
                 self.ends += 1
                 self.state = DECODE
         self.evaluated = False
-        if length > 1:
+        if length > 1 and not self.decode_call:
             self.state = PREFILL
         elif self.state == PREFILL:
             self.state = ENDING
             self.maybe_chunk = self.after_multi
-        self.after_multi = length > 1
+        self.after_multi = length > 1 and not self.decode_call
 
     def would_end(self, length: int) -> bool:
         """Whether a call of `length` tokens arriving now ends the prompt (the
@@ -85,7 +90,19 @@ class PromptPhase:
 
     def takes_prompt(self, length: int) -> bool:
         """Whether a call of `length` tokens arriving now is prompt."""
-        return length > 1 or (self.state != DECODE and not self.would_end(length))
+        several = length > 1 and not self.decode_call
+        return several or (self.state != DECODE and not self.would_end(length))
+
+    @contextlib.contextmanager
+    def decoding(self):
+        """Calls inside are generated tokens, however many (speculative
+        decoding's verify calls): they end a prompt that has its last token,
+        and never start one."""
+        self.decode_call = True
+        try:
+            yield
+        finally:
+            self.decode_call = False
 
     def record(self, offset: int, ids: list[int]) -> None:
         """The ids of positions offset.. (a trim earlier drops what follows;

@@ -140,10 +140,10 @@ class SnapKVCache(EvictingCache):
         w = self.options.window
         n = w + self.options.lookahead
         self.window_queries = newest_queries(self.window_queries, q, n)
-        if new_rows != 1 or self.in_prompt:
+        if self.in_prompt:  # (decode calls of several tokens: speculative decoding)
             return
         if self.lookahead_left:
-            self.lookahead_left -= 1
+            self.lookahead_left = max(0, self.lookahead_left - new_rows)
             if not self.lookahead_left and self.rows > self.row_budget():
                 self.compress()
         elif self.cut_after_window(self._limit(), self.row_budget(), self.scores):
