@@ -107,6 +107,8 @@ def test_quantized_rows_convert_exactly():
         ("snapkv", dict(window=4, kv_bits=2, kv_residual=8)),
         ("tova", dict(kv_bits="adaptive", target_bits=3, kv_residual=8)),
         ("h2o", dict(kv_bits=2, kv_residual=0, kv_rotate="hadamard", kv_sinks=4)),
+        ("h2o", dict(kv_bits=2)),  # all within the residual: no holes
+        ("snapkv", dict(window=4, kv_bits=2, kv_rotate="hadamard")),
     ],
 )
 def test_bytes_held_stay_within_max_kv_bytes(algo, opts):
@@ -126,6 +128,15 @@ def test_bytes_held_stay_within_max_kv_bytes(algo, opts):
     decoding = held[2:] if algo == "kvzip" else held
     assert max(decoding) <= limit
     assert max(held) > 0.5 * limit  # the budget is not wasted either
+
+
+def test_rows_within_the_residual_cost_what_dense_rows_cost():
+    # nothing is quantized before the residual is full, so nothing is evicted
+    # from quantized slots: no holes to price (kv_bits once bought a third)
+    dense = budget_of("h2o", max_kv_bytes=60_000)
+    assert dense < 128  # the default residual
+    for bits in (2, 4):
+        assert budget_of("h2o", max_kv_bytes=60_000, kv_bits=bits) >= 0.9 * dense
 
 
 def test_dense_sinks_are_priced_as_dense_rows():

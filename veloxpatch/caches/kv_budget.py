@@ -12,8 +12,9 @@ while the prompt is read the SnapKV family and expected_attention with
 prompt, the others the caller's prefill chunk, on top of the budget.
 
 - rows in the model's dtype: r x (2 D x dtype size + 4) (keys, values, position);
-- with `kv_bits`: r rows, plus up to max(group, r / 4) holes (evicted rows not
-  yet compacted, `kv_bits.HOLE_SHARE`), of which up to residual + group - 1
+- with `kv_bits`: r rows, plus (once r passes the residual: before, nothing is
+  quantized and eviction leaves no hole) up to max(group, r / 4) holes (evicted
+  rows not yet compacted, `kv_bits.HOLE_SHARE`), of which up to residual + group - 1
   slots are the full-precision residual and `kv_sinks` its dense sinks (2 D x
   dtype size each) and the rest
   quantized (2 D bits / 8 of codes, the keys' at `kv_key_bits` when given,
@@ -140,7 +141,8 @@ def bound_bytes(
             per_head = r * (dense + 4 + side)
         else:
             g = options.kv_group
-            slots = r + max(g, r // HOLE_SHARE)
+            # rows that never pass the residual are never quantized: no holes
+            slots = r if r <= options.kv_residual else r + max(g, r // HOLE_SHARE)
             slots = slots if tokens is None else min(slots, tokens)
             sinks = getattr(options, "kv_sinks", 0) or 0  # held dense too
             full = min(slots, options.kv_residual + g - 1 + sinks)
