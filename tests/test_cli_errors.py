@@ -152,6 +152,7 @@ BEFORE_LOAD = [
         "eval --arms snapkv:budget=64 --out r.json --budgets 32",
         "--budgets applies to no arm",
     ),
+    ("eval --arms nope --out r.json --budgets 32", "unknown algorithm 'nope'"),
     (
         f"bench {AR} --contexts 0",
         "--contexts must be comma-separated integers, each at least 1",

@@ -23,8 +23,9 @@ from .cli_checks import (
 def _arms(text: str, budgets: list[int], memory: list[str] = ()):
     """The arms `--arms` and `--budgets` (or `--memory`) name: at least one,
     none twice, and every budget or size used by some arm."""
+    from .api import algorithm
     from .caches.kv_budget import parse_size
-    from .eval.arms import expand, split_arms
+    from .eval.arms import expand, is_peer, split_arms
 
     texts = split_arms(text)
     if not texts:
@@ -34,6 +35,9 @@ def _arms(text: str, budgets: list[int], memory: list[str] = ()):
     for size in memory:
         parse_size(size)
     arms = expand(texts, budgets, memory)
+    for arm in arms:  # an unknown name first, not as an arm no budget applies to
+        if not is_peer(arm.algo):
+            algorithm(arm.algo)
     flag = "--budgets" if budgets else "--memory"
     if (budgets or memory) and [a.label for a in arms] == [
         a.label for a in expand(texts)
