@@ -52,6 +52,27 @@ def test_an_answer_never_depends_on_another_users_question(algo, opts):
     np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
 
 
+@pytest.mark.parametrize("algo", ["snapkv", "adakv"])
+def test_a_question_shorter_than_the_trimmed_one_still_reads_a_full_window(algo):
+    """An entry trimmed back past its question lost the window's queries of
+    the document that question pushed out: reused only when the new question
+    is at least as long as what was lost, so its window is a fresh one's."""
+    model = tiny_model("llama")
+    longer, shorter = prompt_tokens(12, seed=13).tolist(), prompt_tokens(4, seed=14)
+    with veloxpatch.patched(model, algo, budget=24, window=8) as patch:
+        patch.keep_snapshots = True
+        alone = serve(model, BoundedPromptCache(), DOC + ASK_B)
+        for first, reused in ((longer, False), (shorter.tolist(), True)):
+            shared = BoundedPromptCache()
+            serve(model, shared, DOC + first)
+            after = serve(model, shared, DOC + ASK_B)
+            assert (after[2] >= len(DOC)) == reused
+            assert after[0] == alone[0]
+            np.testing.assert_allclose(
+                np.array(after[1]), np.array(alone[1]), atol=2e-4
+            )
+
+
 @pytest.mark.parametrize(
     "algo,opts",
     [

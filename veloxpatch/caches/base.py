@@ -384,6 +384,13 @@ class VeloxCache(RowStorage):
     def is_trimmable(self):
         return True
 
+    @property
+    def queries_short(self) -> int:
+        """How many more tokens must come before the queries this cache holds
+        are those a cache that never saw the trimmed tokens would hold (a trim
+        takes buffered queries back, not those they pushed out). Default: 0."""
+        return 0
+
     def trim(self, n):
         """Forget the last `n` tokens (speculative decoding, prompt-cache reuse);
         rows evicted meanwhile stay evicted, running statistics keep them

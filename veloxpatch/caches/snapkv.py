@@ -165,6 +165,13 @@ class SnapKVCache(EvictingCache):
             self.prompt_end = None  # the prompt end itself was trimmed
         return n
 
+    @property
+    def queries_short(self) -> int:
+        # the newest window + lookahead queries, or all if fewer tokens came
+        held = 0 if self.window_queries is None else self.window_queries.shape[2]
+        want = min(self.offset, self.options.window + self.options.lookahead)
+        return max(0, want - held)
+
     def side_arrays(self):
         side = super().side_arrays()
         return side + [self.window_queries] if self.window_queries is not None else side

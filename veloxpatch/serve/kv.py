@@ -158,7 +158,8 @@ class BoundedPromptCache(LRUPromptCache):
                 return None, tokens
             trim_prompt_cache(cache, 1)
             rest = tokens[-1:]
-        if cache is not None and not trimmed_exactly(cache, len(tokens) - len(rest)):
+        shared = len(tokens) - len(rest)
+        if cache is not None and not trimmed_exactly(cache, shared, len(rest)):
             # rows evicted (or statistics taken) after the shared prefix read what
             # followed it (another request's prompt): start over, not reuse them
             log.info("prompt cache: the nearest entry was trimmed past evictions")
@@ -189,18 +190,19 @@ class BoundedPromptCache(LRUPromptCache):
                 self.trim_to(n_bytes=room)
 
 
-def trimmed_exactly(caches, shared: int) -> bool:
+def trimmed_exactly(caches, shared: int, coming: int | None = None) -> bool:
     """Whether caches trimmed back to `shared` tokens depend on no other
     request's prompt: nothing a trim cannot undo (an eviction, running query
     statistics) happened once they had seen more, or only generated tokens
-    were trimmed (the shared tokens hold the whole prompt)."""
+    were trimmed (the shared tokens hold the whole prompt); and the `coming`
+    tokens (None: any number) refill the query buffers the trim cut short."""
+    ours = [c for c in caches if hasattr(c, "irreversible_at")]
     return all(
         c.irreversible_at is None
         or c.irreversible_at <= shared
         or (c.decode_from is not None and c.decode_from <= shared)
-        for c in caches
-        if hasattr(c, "irreversible_at")
-    )
+        for c in ours
+    ) and (coming is None or all(c.queries_short <= coming for c in ours))
 
 
 def kept_for_later(tokens, caches):
