@@ -145,7 +145,8 @@ def unregister(sites) -> None:
 
 def register_model(model, forward) -> None:
     """Route calls of the whole `model` to `forward(wrapped, model, args,
-    kwargs)` (the patch sees the token ids of each call: kvzip's reconstruction)."""
+    kwargs)` (the patch sees each call's token ids and caller: kvzip's
+    reconstruction, speculative decoding's verify calls)."""
     cls = type(model)
     if "__call__" not in cls.__dict__:
         raise RuntimeError(f"{cls.__name__} defines no __call__ of its own")

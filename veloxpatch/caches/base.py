@@ -304,8 +304,8 @@ class VeloxCache(RowStorage):
 
     @classmethod
     def model_call(cls, patch, wrapped, model, args, kwargs):
-        """A whole-model call of a patch whose class `wants_token_ids` (the ids
-        reach no attention layer). Default: the call as it is."""
+        """A whole-model call (the ids reach no attention layer: kvzip records
+        them, `wants_token_ids`). Default: the call as it is."""
         return wrapped(*args, **kwargs)
 
     def side_arrays(self) -> list:
