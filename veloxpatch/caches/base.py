@@ -76,7 +76,7 @@ class VeloxCache(RowStorage):
     note: ClassVar[str] = ""  # a trade-off worth knowing, printed under it
     Options: ClassVar[type[CacheOptions]] = CacheOptions
     wants_layer_input: ClassVar[bool] = False  # handed (x, o_proj) before attend
-    wants_token_ids: ClassVar[bool] = False  # the patch sees whole-model calls
+    wants_token_ids: ClassVar[bool] = False  # records the ids of each model call
     batchable: ClassVar[bool] = False  # `merge` builds a batch (caches/batch.py)
     batch_refusal: ClassVar[str] = "its batch contract is not implemented"
     # not deep-copied: kvzap's o_proj is the model's module (an nn.Module is a dict)
