@@ -113,7 +113,8 @@ class KVLedger:
                         413,
                         f"this request may hold up to {need:,} bytes of KV cache, "
                         f"more than the server's --max-kv-bytes {self.cap:,}; "
-                        "send a shorter prompt or a lower max_tokens",
+                        "send a shorter prompt, a lower max_tokens or a smaller "
+                        "budget (the algorithm's bound may not depend on the prompt)",
                     )
                 if self.reserved + need > self.cap:
                     raise Refused(
