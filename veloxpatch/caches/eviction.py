@@ -268,6 +268,9 @@ class PromptCompressionOptions(EvictionOptions):
     def prompt_chunk(self):
         return self.chunk if self.compress == "chunks" else None
 
+    def holds_prompt(self) -> bool:
+        return self.compress == "prompt_end"
+
     def __post_init__(self):
         check_choice("compress", self.compress, ("prompt_end", "chunks"))
         check_int("chunk", self.chunk, 1)

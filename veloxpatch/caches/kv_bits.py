@@ -334,9 +334,9 @@ class QuantizedKV:
                 self._choose_widths(self.head_entropy())
             else:
                 return  # adaptive: widths are chosen when the prompt ends
-        if self.in_prompt and getattr(o, "compress", None) == "prompt_end":
-            # the SnapKV family and expected_attention hold the prompt at full
-            # precision until it ends: the caller's prefill chunks change nothing
+        if self.in_prompt and o.holds_prompt():
+            # held at full precision until it ends (the SnapKV family and
+            # expected_attention): the caller's prefill chunks change nothing
             return
         n = self.store.to_fill(self.keys.shape[2] - o.kv_residual)
         if n > 0:

@@ -105,5 +105,10 @@ class CacheOptions:
         self.dims = dims
         return self
 
+    def holds_prompt(self) -> bool:
+        """Whether the whole prompt is held as read until it ends (then
+        compressed): nothing in it is quantized before (`kv_bits`)."""
+        return False
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
