@@ -178,20 +178,21 @@ class Patch:
         goes first and alone, as generate_step sends it: the prompt then ends
         (compresses) before the drafts attend, as in plain decoding."""
         ids, rest = args[0], args[1:]
+
+        def forward(ids):
+            return self.cache_cls.model_call(self, wrapped, model, (ids, *rest), kwargs)
+
         cache = kwargs.get("cache", rest[0] if rest else None)
         ours = [c for c in cache or () if isinstance(c, VeloxCache)]
         if not ours or ids.ndim != 2 or ids.shape[1] == 1:
-            return self.cache_cls.model_call(self, wrapped, model, args, kwargs)
+            return forward(ids)
         phase = ours[0].phase
-        outs = []
+        first = None
         if phase.in_prompt:
-            first = (ids[:, :1], *rest)
-            outs.append(self.cache_cls.model_call(self, wrapped, model, first, kwargs))
-            ids = ids[:, 1:]
+            first, ids = forward(ids[:, :1]), ids[:, 1:]
         with phase.decoding():
-            call = (ids, *rest)
-            outs.append(self.cache_cls.model_call(self, wrapped, model, call, kwargs))
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+            out = forward(ids)
+        return out if first is None else mx.concatenate([first, out], axis=1)
 
     def end_prompt(self, caches=None) -> None:
         """Tell the caches the prompt is over (for callers that drive

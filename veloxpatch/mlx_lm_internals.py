@@ -459,18 +459,20 @@ def prompt_cache_request(frame) -> tuple[int | None, int | None] | None:
     return frame.f_locals.get("max_kv_size"), kv_bits
 
 
+@functools.lru_cache(maxsize=4)
+def _nested_code(outer, name: str):
+    """The code of the function `name` defined inside the code `outer` (once
+    per code object: this runs on every model call), or None."""
+    return next(
+        (c for c in outer.co_consts if getattr(c, "co_name", None) == name), None
+    )
+
+
 def in_speculative_step(frame, limit: int) -> bool:
     """Whether `frame` (within `limit` frames up) runs the `_step` of mlx-lm's
     speculative_generate_step: its model calls are generated tokens, the
     target's verify call led by the prompt's last token (caches/phase.py)."""
-    code = next(
-        (
-            c
-            for c in _generate.speculative_generate_step.__code__.co_consts
-            if getattr(c, "co_name", None) == "_step"
-        ),
-        None,
-    )
+    code = _nested_code(_generate.speculative_generate_step.__code__, "_step")
     for _ in range(limit):
         if frame is None or code is None:
             return False
