@@ -31,6 +31,8 @@ import contextlib
 import uuid
 import weakref
 
+import mlx.core as mx
+
 PREFILL, ENDING, DECODE = "prefill", "ending", "decode"
 
 
@@ -49,6 +51,7 @@ class PromptPhase:
         # reconstruction reads them); kvzip's caches save them
         self.tokens: list[int] = []
         self.tokens_start = 0
+        self._token_array = None  # `tokens` as one array, once asked for
         self.suspended = False  # a scoring pass runs inside the prompt
         self.decode_call = False  # the call's tokens are generated ones (`decoding`)
         # the server's prompt cache: a copy of the caches at the last prompt end,
@@ -113,6 +116,19 @@ class PromptPhase:
             self.tokens.extend(ids)
         else:
             self.tokens, self.tokens_start = list(ids), offset
+        self._token_array = None
+
+    def restore_tokens(self, ids: list[int], start: int) -> None:
+        """The ids a saved cache recorded (positions start..)."""
+        self.tokens, self.tokens_start, self._token_array = list(ids), start, None
+
+    def token_array(self):
+        """`tokens` as one int32 array (None: none recorded), built once for
+        every layer that saves it: mlx-lm reads each layer's state after every
+        prefill chunk."""
+        if self._token_array is None and self.tokens:
+            self._token_array = mx.array(self.tokens, dtype=mx.int32)
+        return self._token_array
 
     def token_ids(self, start: int, end: int) -> list[int] | None:
         """The ids of positions [start, end), or None if not all were seen."""

@@ -452,11 +452,10 @@ class KVzipCache(EvictingCache):
     def extra_state(self):
         # the ids the patch recorded: a cache saved mid-prompt (mlx_lm.cache_prompt)
         # reconstructs its prompt when the question ends it, as the original does
-        ids = self.phase.tokens
         named = {
             "decode_queries": self.decode_queries,
             "tail_queries": self.tail_queries,
-            "token_ids": mx.array(ids, dtype=mx.int32) if ids else None,
+            "token_ids": self.phase.token_array(),
         }
         return super().extra_state() | {k: v for k, v in named.items() if v is not None}
 
@@ -482,6 +481,5 @@ class KVzipCache(EvictingCache):
         self.decode_rows = m.get("decode_rows")
         ids = self._loaded_ids
         if ids is not None:  # every layer saved the same ids (one phase)
-            self.phase.tokens = ids.tolist()
-            self.phase.tokens_start = int(m.get("token_ids_start", 0))
+            self.phase.restore_tokens(ids.tolist(), int(m.get("token_ids_start", 0)))
         self._loaded_ids = None
