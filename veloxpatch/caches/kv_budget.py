@@ -144,7 +144,7 @@ def bound_bytes(
             # rows that never pass the residual are never quantized: no holes
             slots = r if r <= options.kv_residual else r + max(g, r // HOLE_SHARE)
             slots = slots if tokens is None else min(slots, tokens)
-            sinks = getattr(options, "kv_sinks", 0) or 0  # held dense too
+            sinks = options.kv_sinks  # held dense too
             full = min(slots, options.kv_residual + g - 1 + sinks)
             quant = slot_bytes(options, d, dtype_size, True)
             per_head = full * dense + (slots - full) * quant + (8 + side) * r
