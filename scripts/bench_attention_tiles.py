@@ -1,14 +1,17 @@
-"""Peak memory of the attention probabilities veloxpatch computes explicitly,
-in tiles of queries (each evaluated before the next) against one piece.
+"""Peak memory and time of the attention veloxpatch computes in tiles of
+queries against one piece: the probabilities it computes explicitly (each tile
+evaluated before the next) and, on the CPU, mlx's fused attention (tiles
+chained, `attention_math.fused_attention`).
 
 One layer of SmolLM2's shape (9 query heads, 3 KV heads, head dim 64), random
 float32 queries, keys and values, on the CPU. For `h2o` and `keyformer`
-(budget 512): a prompt of `--context` tokens in chunks of `--chunk`, the peak
-of the last chunk's call (its fused attention included). For `kvzip`'s
-reconstruction: a context of `--context` rows, then one repeat chunk of
-`--chunk` queries scored against it. `mx.get_peak_memory()` above the memory
-in use before the call, median of `--repeats`, each (arm, mode) in a process
-of its own.
+(budget 512), `snapkv` (a budget above the prompt: the fused attention alone)
+and `kivi` (4 bits: the fused attention over quantized rows, dequantized): a
+prompt of `--context` tokens in chunks of `--chunk`, the peak of the last
+chunk's call. For `kvzip`'s reconstruction: a context of `--context` rows,
+then one repeat chunk of `--chunk` queries scored against it.
+`mx.get_peak_memory()` above the memory in use before the call and the call's
+seconds, median of `--repeats`, each (arm, mode) in a process of its own.
 
     .venv/bin/python scripts/bench_attention_tiles.py --context 8192 \\
         --chunk 2048 --out scripts/results/bench_attention_tiles.json
@@ -21,9 +24,10 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
 HQ, HKV, D = 9, 3, 64
-ARMS = ("h2o", "keyformer", "kvzip")
+ARMS = ("h2o", "keyformer", "kvzip", "snapkv", "kivi")
 MODES = ("one piece", "tiles")
 
 
@@ -37,6 +41,7 @@ def peak_of_call(algo: str, tiled: bool, context: int, chunk: int) -> dict:
 
     if not tiled:
         attention_math.TILE_ELEMENTS = 1 << 62
+        attention_math.FUSED_TILE_ELEMENTS = 1 << 62
     cls = ALGORITHMS[algo]
     mx.random.seed(0)
 
@@ -54,7 +59,13 @@ def peak_of_call(algo: str, tiled: bool, context: int, chunk: int) -> dict:
         cache.repeat = (0, min(chunk, context))
         calls = [chunk]
     else:
-        cache = cls(cls.Options(budget=512, sinks=4, recent=64))
+        if algo == "snapkv":
+            opts = cls.Options(budget=2 * context)
+        elif algo == "kivi":
+            opts = cls.Options(bits=4)
+        else:
+            opts = cls.Options(budget=512, sinks=4, recent=64)
+        cache = cls(opts)
         calls = [chunk] * (context // chunk)
     for n in calls:
         q, k, v = rows(n, HQ), rows(n), rows(n)
@@ -63,11 +74,18 @@ def peak_of_call(algo: str, tiled: bool, context: int, chunk: int) -> dict:
         mx.synchronize()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
+        start = time.perf_counter()
         out = cache.attend(q, k, v, rope=rope, scale=D**-0.5)
-        mx.eval(out, cache.positions_view())
+        mx.eval(out, *cache.side_arrays())
         mx.synchronize()
+        seconds = time.perf_counter() - start
         peak = mx.get_peak_memory() - before
-    return {"peak_bytes": peak, "rows_against": against, "queries": calls[-1]}
+    return {
+        "peak_bytes": peak,
+        "seconds": seconds,
+        "rows_against": against,
+        "queries": calls[-1],
+    }
 
 
 def main():
@@ -91,18 +109,23 @@ def main():
     rows = []
     for algo in ARMS:
         for mode in MODES:
-            peaks = []
+            peaks, seconds = [], []
             for _ in range(args.repeats):
                 cmd = [sys.executable, __file__, "--child", algo, mode]
                 cmd += ["--context", str(args.context), "--chunk", str(args.chunk)]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 peaks.append(got["peak_bytes"])
+                seconds.append(got["seconds"])
             row = {"arm": algo, "mode": mode, **got}
             row["peak_bytes"] = statistics.median(peaks)
-            row["peaks"] = peaks
+            row["seconds"] = statistics.median(seconds)
+            row["peaks"], row["all_seconds"] = peaks, seconds
             rows.append(row)
-            print(f"{algo:<10} {mode:<10} peak {row['peak_bytes'] / 1e6:8.1f} MB")
+            print(
+                f"{algo:<10} {mode:<10} peak {row['peak_bytes'] / 1e6:8.1f} MB"
+                f"  {row['seconds']:6.3f} s"
+            )
     config = {"context": args.context, "chunk": args.chunk, "repeats": args.repeats}
     config["out"] = args.out
     write_results(args.out, {"run": run_info(), "config": config, "rows": rows})

@@ -150,3 +150,34 @@ def test_softmax_is_mlx_softmax_with_masked_and_empty_rows():
     assert (got[np.isneginf(x) & ~np.isnan(got)] == 0).all()
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), atol=1e-6)
     assert softmax(mx.array(x)).dtype == mx.float32
+
+
+@pytest.mark.parametrize("mask", ["causal", "array", None])
+def test_fused_attention_in_tiles_equals_one_call(mask, monkeypatch):
+    # a long call on the CPU attends in chained tiles of queries: the output is
+    # the untiled kernel's, a causal tile reads only the rows it can see
+    from veloxpatch.caches import attention_math
+
+    rng = np.random.default_rng(5)
+    B, Hq, Hkv, L, S, D = 1, 6, 2, 37, 50, 16
+    q = mx.array(rng.normal(size=(B, Hq, L, D)).astype(np.float32))
+    k = mx.array(rng.normal(size=(B, Hkv, S, D)).astype(np.float32))
+    v = mx.array(rng.normal(size=(B, Hkv, S, D)).astype(np.float32))
+    m = mask
+    if mask == "array":
+        m = mx.array(rng.uniform(size=(B, Hq, L, S)) < 0.7)
+    sdpa = mx.fast.scaled_dot_product_attention
+    want = sdpa(q, k, v, scale=0.25, mask=m)
+    calls = []
+
+    def spy(q, k, v, *, scale, mask=None):
+        calls.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention_math, "FUSED_TILE_ELEMENTS", Hq * S * 8)  # 8 q
+    got = attention_math.fused_attention(q, k, v, 0.25, m)
+    assert [n for n, _ in calls] == [8, 8, 8, 8, 5]
+    if mask == "causal":
+        assert [s for _, s in calls] == [S - L + b for b in (8, 16, 24, 32, 37)]
+    assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()

@@ -262,3 +262,31 @@ def test_quantized_eviction_masks_exactly_the_evicted_rows(algo):
         model(prompt_tokens(40, seed=5)[None], cache=caches)
     assert max(holes) > 0  # rows were evicted from quantized slots
     assert any(seen)  # and attention read quantized slots
+
+
+def test_a_dense_call_over_holes_attends_the_rows_alone(monkeypatch):
+    # A prompt chunk over quantized slots with holes reads the dequantized rows
+    # (holes dropped) under "causal": an [L, slots] mask array per call was
+    # most of compress="chunks" with kv_bits's prefill peak.
+    model = tiny_model("llama", head_dim=32)
+    ids = prompt_tokens(140)
+    with veloxpatch.patched(model, "h2o", budget=48, kv_bits=4, kv_residual=8) as p:
+        caches = p.make_cache()
+        model(ids[None, :90], cache=caches)
+        p.end_prompt(caches)
+        for t in ids[90:].tolist():
+            model(mx.array([[t]]), cache=caches)
+        rows, holes = caches[0].rows, caches[0].holes
+        assert holes > 0
+        calls = []
+        sdpa = mx.fast.scaled_dot_product_attention
+
+        def spy_sdpa(q, k, v, *, scale, mask=None, **kw):
+            calls.append((q.shape[2], k.shape[2], mask))
+            return sdpa(q, k, v, scale=scale, mask=mask, **kw)
+
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy_sdpa)
+        model(prompt_tokens(40, seed=5)[None], cache=caches)
+    L, keys, mask = calls[0]
+    assert (L, keys) == (40, rows + 40)
+    assert isinstance(mask, str) and mask == "causal"

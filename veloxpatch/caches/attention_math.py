@@ -1,7 +1,7 @@
-"""Attention probabilities computed explicitly, for the algorithms that score
-rows by the attention of real queries (the fused kernel never materialises
-them), in tiles of queries, and the buffer of the newest queries those
-algorithms keep."""
+"""Attention in tiles of queries: probabilities computed explicitly, for the
+algorithms that score rows by the attention of real queries (the fused kernel
+never materialises them), the fused kernel itself on the CPU (where it does),
+and the buffer of the newest queries those algorithms keep."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import numpy as np
 # float32 elements of one tile of logits (16 MiB; on SmolLM2's 9 heads, 64
 # queries against 7,281 rows): callers evaluate a tile before the next
 TILE_ELEMENTS = 1 << 22
+# scores of one tile of the CPU's fused attention: its kernel holds about four
+# copies (16 MiB); as fast as untiled at 2,048 x 4,096 (docs/results.md)
+FUSED_TILE_ELEMENTS = 1 << 20
 
 
 def query_tiles(first: int, end: int, per_query: int, budget: int | None = None):
@@ -18,6 +21,32 @@ def query_tiles(first: int, end: int, per_query: int, budget: int | None = None)
     `budget` (TILE_ELEMENTS) elements at `per_query` a query (at least one)."""
     step = max(1, (budget or TILE_ELEMENTS) // max(1, per_query))
     return [(s, min(s + step, end)) for s in range(first, end, step)]
+
+
+def fused_attention(q, keys, values, scale, mask):
+    """mlx's fused attention of q [B, Hq, L, D] over keys [B, Hkv, S, D]. On
+    the CPU it materialises the call's [B, Hq, L, S] scores, so a long call
+    runs in tiles of at most FUSED_TILE_ELEMENTS scores, each over the rows its
+    queries can see ("causal": up to its last query), each after the previous
+    (mx.depends: mlx would otherwise schedule every tile's scores at once)."""
+    B, Hq, L, _ = q.shape
+    S = keys.shape[2]
+    if mx.default_device() != mx.cpu or B * Hq * L * S <= FUSED_TILE_ELEMENTS:
+        return mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=scale, mask=mask
+        )
+    outs = []
+    for a, b in query_tiles(0, L, B * Hq * S, FUSED_TILE_ELEMENTS):
+        part = q[:, :, a:b] if not outs else mx.depends(q[:, :, a:b], outs[-1])
+        k, v, m = keys, values, mask
+        if isinstance(mask, str):  # "causal": the rows after the tile's last query go
+            k, v = keys[:, :, : S - L + b], values[:, :, : S - L + b]
+        elif mask is not None and mask.shape[-2] == L:
+            m = mask[..., a:b, :]
+        outs.append(
+            mx.fast.scaled_dot_product_attention(part, k, v, scale=scale, mask=m)
+        )
+    return mx.concatenate(outs, axis=2)
 
 
 def query_probs(q, keys, pos, qstart: int, scale):

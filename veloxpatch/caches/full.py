@@ -10,6 +10,7 @@ class FullCache(VeloxCache):
     name = "full"
     summary = "keeps everything; bit-identical to unpatched mlx-lm (parity reference)"
     batchable = True
+    tiles_attention = False
 
     @classmethod
     def batch_of(cls, caches):

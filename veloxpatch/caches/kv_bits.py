@@ -143,7 +143,7 @@ class QuantizedKV:
             self.rows,
             self.offset if qstart is None else qstart,
             self.slot_positions() if masked else None,
-            self.slot is None and not self.padded,  # "causal" is exact
+            self.padded,
         )
         return view, view
 

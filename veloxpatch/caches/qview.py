@@ -11,9 +11,10 @@ attention and to scoring in place of dense keys and values:
   matmuls for the residual. GQA never repeats keys: the query heads that share
   a KV head are stacked as rows, q [B, Hkv, rep * L, D]. Holes and padding rows
   (position PAD) and future positions are masked. A call of DENSE_QUERIES
-  queries or more (a prefill chunk) instead dequantizes the slots once and runs
-  the fused kernel: materialising its L x slots scores would cost more time
-  and memory than one dense copy of the rows for the length of the call.
+  queries or more (a prefill chunk) instead dequantizes the rows once (holes
+  dropped, so "causal" is exact unless heads hold padding) and runs the fused
+  kernel (in tiles on the CPU, `attention_math.fused_attention`): its L x slots
+  scores would cost more time and memory than one dense copy of the rows.
 - `logits(q)`: q . K^T for q [B, Hkv, M, D], per row (what scoring reads).
 """
 
@@ -21,18 +22,20 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .attention_math import fused_attention
+
 DENSE_QUERIES = 32
 
 
 class QuantizedView:
     def __init__(
-        self, store, keys, values, slot, rows, qstart=0, slot_pos=None, in_order=False
+        self, store, keys, values, slot, rows, qstart=0, slot_pos=None, padded=False
     ):
         self.store, self.keys, self.values = store, keys, values
         self.slot, self.rows = slot, rows
         self.qstart = qstart  # position of the call's first query
         self.slot_pos = slot_pos  # [B, H, S]: None when nothing needs masking
-        self.in_order = in_order  # slots in position order, no holes or padding
+        self.padded = padded  # some heads hold padding rows (PAD)
 
     @property
     def shape(self) -> tuple:
@@ -88,16 +91,17 @@ class QuantizedView:
         return mx.take_along_axis(keys, idx, 2), mx.take_along_axis(values, idx, 2)
 
     def _attend_dense(self, q: mx.array, scale: float) -> mx.array:
+        if not self.padded:
+            # every earlier row precedes the call's first query and the call's
+            # rows come last: over the rows (holes dropped) "causal" is exact
+            keys, values = self.rows_dense()
+            return fused_attention(q, keys, values, scale, "causal")
         keys, values = self.dense()
         L, rep = q.shape[2], q.shape[1] // keys.shape[1]
-        mask = "causal"
-        if not self.in_order:
-            qpos = mx.arange(self.qstart, self.qstart + L, dtype=mx.int32)
-            mask = self.slot_pos[:, :, None, :] <= qpos[:, None]
-            mask = mx.repeat(mask, rep, axis=1) if rep > 1 else mask
-        return mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=scale, mask=mask
-        )
+        qpos = mx.arange(self.qstart, self.qstart + L, dtype=mx.int32)
+        mask = self.slot_pos[:, :, None, :] <= qpos[:, None]
+        mask = mx.repeat(mask, rep, axis=1) if rep > 1 else mask
+        return fused_attention(q, keys, values, scale, mask)
 
     def attend(self, q: mx.array, scale: float) -> mx.array:
         if q.shape[2] >= DENSE_QUERIES:
