@@ -290,3 +290,32 @@ def test_a_dense_call_over_holes_attends_the_rows_alone(monkeypatch):
     L, keys, mask = calls[0]
     assert (L, keys) == (40, rows + 40)
     assert isinstance(mask, str) and mask == "causal"
+
+
+def test_many_query_rows_read_one_dense_copy_on_the_cpu(monkeypatch):
+    # mlx's quantized matmul on the CPU is linear in query rows: a call of 4
+    # queries (12 rows per KV head) and H2O's probabilities of its queries read
+    # the rows dequantized once; a decode step (3 rows) stays on the kernels.
+    from veloxpatch.caches import qview
+
+    assert mx.default_device() == mx.cpu and qview.CPU_DENSE_ROWS <= 12
+    model = tiny_model("llama", head_dim=32)  # 3 query heads per KV head
+    ids = prompt_tokens(120)
+    with veloxpatch.patched(model, "h2o", budget=64, kv_bits=4, kv_residual=8) as p:
+        caches = p.make_cache()
+        model(ids[None, :100], cache=caches)
+        p.end_prompt(caches)
+        model(ids[None, 100:101], cache=caches)
+        assert caches[0].quantized > 0
+        kernel_rows = []
+        qmm = mx.quantized_matmul
+
+        def spy(x, *a, **kw):
+            kernel_rows.append(x.shape[-2])
+            return qmm(x, *a, **kw)
+
+        monkeypatch.setattr(mx, "quantized_matmul", spy)
+        model(ids[None, 101:105], cache=caches)
+        assert kernel_rows == []
+        model(ids[None, 105:106], cache=caches)
+        assert kernel_rows and max(kernel_rows) < qview.CPU_DENSE_ROWS

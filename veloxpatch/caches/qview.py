@@ -10,12 +10,15 @@ attention and to scoring in place of dense keys and values:
   p.V on mlx's quantized kernels (`quantized.py`) for the store and dense
   matmuls for the residual. GQA never repeats keys: the query heads that share
   a KV head are stacked as rows, q [B, Hkv, rep * L, D]. Holes and padding rows
-  (position PAD) and future positions are masked. A call of DENSE_QUERIES
-  queries or more (a prefill chunk) instead dequantizes the rows once (holes
+  (position PAD) and future positions are masked. A call of many queries
+  (`reads_dense`: a prefill chunk) instead dequantizes the rows once (holes
   dropped, so "causal" is exact unless heads hold padding) and runs the fused
   kernel (in tiles on the CPU, `attention_math.fused_attention`): its L x slots
   scores would cost more time and memory than one dense copy of the rows.
-- `logits(q)`: q . K^T for q [B, Hkv, M, D], per row (what scoring reads).
+- `logits(q)`: q . K^T for q [B, Hkv, M, D], per row (what scoring reads); on
+  the CPU, many query rows read the dense copy too.
+
+A view is read within one call: its dense copy is made once for all of them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ import mlx.core as mx
 
 from .attention_math import fused_attention
 
-DENSE_QUERIES = 32
+DENSE_QUERIES = 32  # off the CPU: a call of this many queries reads a dense copy
+# On the CPU mlx's quantized matmul is linear in query rows, about 0.6 ms a row
+# per KV head over 4,096 keys: from this many rows dequantizing once is faster
+# (docs/results.md, "Quantized kernels on the CPU")
+CPU_DENSE_ROWS = 8
 
 
 class QuantizedView:
@@ -36,6 +43,7 @@ class QuantizedView:
         self.qstart = qstart  # position of the call's first query
         self.slot_pos = slot_pos  # [B, H, S]: None when nothing needs masking
         self.padded = padded  # some heads hold padding rows (PAD)
+        self._rows_dense = None
 
     @property
     def shape(self) -> tuple:
@@ -57,6 +65,8 @@ class QuantizedView:
 
     def logits(self, q: mx.array) -> mx.array:
         """q . K^T per row [B, H, M, rows] (rows in the cache's row order)."""
+        if reads_dense(q.shape[2], 0):
+            return q @ self.rows_dense()[0].swapaxes(-1, -2)
         s = self.slot_logits(q)
         if self.slot is None:
             return s
@@ -83,12 +93,17 @@ class QuantizedView:
 
     def rows_dense(self) -> tuple[mx.array, mx.array]:
         """Keys and values per row [B, H, rows, D] in the cache's row order,
-        dequantized (a copy: for scorers that need the vectors themselves)."""
-        keys, values = self.dense()
-        if self.slot is None:
-            return keys[:, :, : self.rows], values[:, :, : self.rows]
-        idx = self.slot[..., None]
-        return mx.take_along_axis(keys, idx, 2), mx.take_along_axis(values, idx, 2)
+        dequantized (a copy, made once: for scorers that need the vectors)."""
+        if self._rows_dense is None:
+            keys, values = self.dense()
+            if self.slot is None:
+                keys, values = keys[:, :, : self.rows], values[:, :, : self.rows]
+            else:
+                idx = self.slot[..., None]
+                keys = mx.take_along_axis(keys, idx, 2)
+                values = mx.take_along_axis(values, idx, 2)
+            self._rows_dense = keys, values
+        return self._rows_dense
 
     def _attend_dense(self, q: mx.array, scale: float) -> mx.array:
         if not self.padded:
@@ -104,11 +119,11 @@ class QuantizedView:
         return fused_attention(q, keys, values, scale, mask)
 
     def attend(self, q: mx.array, scale: float) -> mx.array:
-        if q.shape[2] >= DENSE_QUERIES:
-            return self._attend_dense(q, scale)
         B, Hq, L, D = q.shape
         H = self.keys.shape[1]
         rep = Hq // H
+        if reads_dense(rep * L, L):
+            return self._attend_dense(q, scale)
         qg = (q * scale).reshape(B, H, rep * L, D)
         s = self.slot_logits(qg)
         if self.slot_pos is not None:
@@ -120,3 +135,11 @@ class QuantizedView:
             s = s.reshape(B, H, rep * L, S)
         p = mx.softmax(s, axis=-1, precise=True)
         return self.weighted(p.astype(q.dtype)).reshape(B, Hq, L, D)
+
+
+def reads_dense(rows: int, queries: int) -> bool:
+    """Whether `rows` query rows per KV head (of `queries` positions; 0: a
+    scorer's) read a dense copy of the rows instead of the quantized kernels."""
+    if mx.default_device() == mx.cpu:
+        return rows >= CPU_DENSE_ROWS
+    return queries >= DENSE_QUERIES
