@@ -57,11 +57,17 @@ def arms(args) -> dict[str, list[str]]:
     gen = [sys.executable, "-m", "veloxpatch.cli", "generate"]
     bytes_ = ["--max-kv-bytes", args.max_kv_bytes]
     chunks = ["--algo-arg", "compress=chunks", "--algo-arg", f"chunk={args.chunk}"]
+    snapkv = [*gen, "--algo", "snapkv", *bytes_, *step]
+    kv4 = ["--algo-arg", "kv_bits=4"]
+    kv2 = ["--algo-arg", "kv_bits=2", "--algo-arg", "kv_rotate=hadamard"]
     return {
         "unpatched": [sys.executable, "-c", UNPATCHED],
         "full": [*gen, "--algo", "full", *step],
-        "snapkv_prompt_end": [*gen, "--algo", "snapkv", *bytes_, *step],
-        "snapkv_chunks": [*gen, "--algo", "snapkv", *bytes_, *chunks, *step],
+        "snapkv_prompt_end": snapkv,
+        "snapkv_chunks": [*snapkv, *chunks],
+        # the same bytes hold 4- or 2-bit rows: more rows, each cheaper
+        "snapkv_chunks_kv4": [*snapkv, *chunks, *kv4],
+        "snapkv_chunks_kv2_hadamard": [*snapkv, *chunks, *kv2],
     }
 
 
