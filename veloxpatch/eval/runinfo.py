@@ -17,7 +17,9 @@ def run_info() -> dict:
     import veloxpatch
     from veloxpatch import blas
 
-    commit, dirty = _git("rev-parse", "--short", "HEAD"), _git("status", "--porcelain")
+    commit = _git("rev-parse", "--short", "HEAD")
+    # results files are what runs write, not what they ran
+    dirty = _git("status", "--porcelain", "--", ":/", ":(exclude,top)scripts/results")
     return {
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "veloxpatch": veloxpatch.__version__,
