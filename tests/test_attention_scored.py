@@ -152,7 +152,7 @@ def test_softmax_is_mlx_softmax_with_masked_and_empty_rows():
     assert softmax(mx.array(x)).dtype == mx.float32
 
 
-@pytest.mark.parametrize("mask", ["causal", "array", None])
+@pytest.mark.parametrize("mask", ["causal", "array", "function", None])
 def test_fused_attention_in_tiles_equals_one_call(mask, monkeypatch):
     # a long call on the CPU attends in chained tiles of queries: the output is
     # the untiled kernel's, a causal tile reads only the rows it can see
@@ -164,10 +164,16 @@ def test_fused_attention_in_tiles_equals_one_call(mask, monkeypatch):
     k = mx.array(rng.normal(size=(B, Hkv, S, D)).astype(np.float32))
     v = mx.array(rng.normal(size=(B, Hkv, S, D)).astype(np.float32))
     m = mask
-    if mask == "array":
+    if mask in ("array", "function"):
         m = mx.array(rng.uniform(size=(B, Hq, L, S)) < 0.7)
     sdpa = mx.fast.scaled_dot_product_attention
     want = sdpa(q, k, v, scale=0.25, mask=m)
+    if mask == "function":  # built per tile, for the queries first..stop
+        whole = m
+
+        def m(first, stop):
+            return whole[:, :, first:stop]
+
     calls = []
 
     def spy(q, k, v, *, scale, mask=None):

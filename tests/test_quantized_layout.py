@@ -228,11 +228,17 @@ def test_compaction_keeps_rows_stored_per_token_as_they_were_quantized(extra):
             assert 0 < rel(got, want) < 0.3
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["one call", "tiles"])
 @pytest.mark.parametrize("algo", ["h2o", "snapkv", "knorm", "adakv"])
-def test_quantized_eviction_masks_exactly_the_evicted_rows(algo):
+def test_quantized_eviction_masks_exactly_the_evicted_rows(algo, tiles, monkeypatch):
     # At every attention call the slots attention can see are exactly the rows
     # the cache holds (by position), and the output equals dense attention on
-    # the dequantized slots with that mask.
+    # the dequantized slots with that mask, also in tiles of a few queries
+    # (attention_math.fused_attention; adakv's heads hold padding rows).
+    from veloxpatch.caches import attention_math
+
+    if tiles:
+        monkeypatch.setattr(attention_math, "FUSED_TILE_ELEMENTS", 2048)
     model = tiny_model("llama", head_dim=32)
     extra = dict(window=4) if algo in ("snapkv", "adakv") else dict(sinks=2)
     ids = prompt_tokens(140)

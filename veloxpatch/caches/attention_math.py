@@ -28,12 +28,15 @@ def fused_attention(q, keys, values, scale, mask):
     the CPU it materialises the call's [B, Hq, L, S] scores, so a long call
     runs in tiles of at most FUSED_TILE_ELEMENTS scores, each over the rows its
     queries can see ("causal": up to its last query), each after the previous
-    (mx.depends: mlx would otherwise schedule every tile's scores at once)."""
+    (mx.depends: mlx would otherwise schedule every tile's scores at once).
+    `mask`: as mlx's, or a function of (first, stop) giving the mask of those
+    queries (built per tile)."""
     B, Hq, L, _ = q.shape
     S = keys.shape[2]
     if mx.default_device() != mx.cpu or B * Hq * L * S <= FUSED_TILE_ELEMENTS:
+        m = mask(0, L) if callable(mask) else mask
         return mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=scale, mask=mask
+            q, keys, values, scale=scale, mask=m
         )
     outs = []
     for a, b in query_tiles(0, L, B * Hq * S, FUSED_TILE_ELEMENTS):
@@ -41,6 +44,8 @@ def fused_attention(q, keys, values, scale, mask):
         k, v, m = keys, values, mask
         if isinstance(mask, str):  # "causal": the rows after the tile's last query go
             k, v = keys[:, :, : S - L + b], values[:, :, : S - L + b]
+        elif callable(mask):
+            m = mask(a, b)
         elif mask is not None and mask.shape[-2] == L:
             m = mask[..., a:b, :]
         outs.append(

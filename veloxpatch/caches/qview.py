@@ -112,10 +112,13 @@ class QuantizedView:
             keys, values = self.rows_dense()
             return fused_attention(q, keys, values, scale, "causal")
         keys, values = self.dense()
-        L, rep = q.shape[2], q.shape[1] // keys.shape[1]
-        qpos = mx.arange(self.qstart, self.qstart + L, dtype=mx.int32)
-        mask = self.slot_pos[:, :, None, :] <= qpos[:, None]
-        mask = mx.repeat(mask, rep, axis=1) if rep > 1 else mask
+        rep = q.shape[1] // keys.shape[1]
+
+        def mask(first: int, stop: int) -> mx.array:  # queries first..stop by position
+            qpos = mx.arange(self.qstart + first, self.qstart + stop, dtype=mx.int32)
+            visible = self.slot_pos[:, :, None, :] <= qpos[:, None]
+            return mx.repeat(visible, rep, axis=1) if rep > 1 else visible
+
         return fused_attention(q, keys, values, scale, mask)
 
     def attend(self, q: mx.array, scale: float) -> mx.array:
