@@ -160,9 +160,11 @@ class VeloxCache(RowStorage):
             cut = self.next_cut(offset + start, offset + L)
             end = L if cut is None else cut - offset
             part = slice(start, end)
+            # each piece after the previous: mlx would schedule them all at once
+            piece_q = q[:, :, part] if not outs else mx.depends(q[:, :, part], outs[-1])
             outs.append(
                 self._attend_piece(
-                    q[:, :, part],
+                    piece_q,
                     k[:, :, part],
                     v[:, :, part],
                     rope,
@@ -172,6 +174,9 @@ class VeloxCache(RowStorage):
             )
             if cut is not None:
                 self.chunk_done()
+                # evaluated at the cut: lazily, every layer's cut would hold what
+                # it read (the rows before it, dequantized copies) to the step's end
+                mx.eval(self.held_arrays())
             start = end
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
