@@ -3,6 +3,8 @@ finished request leaves for later requests is never compressed for its own
 question. Driven the way mlx-lm's server drives it (generate, insert the
 finished caches, fetch the nearest for the next prompt), on tiny models."""
 
+import copy
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -231,5 +233,50 @@ def test_a_segment_cache_trimmed_past_another_question_is_reused_only_if_exact(
         store.insert_cache(KEY, first, copy.deepcopy(cache), cache_type="user")
         after = serve(model, store, DOC + ASK_B)
     assert (after[2] >= len(DOC)) == reused, after[2]
+    assert after[0] == alone[0]
+    np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
+
+
+def serve_with_system(model, store, system, ask, n=6):
+    """`serve`, with the system prompt's caches inserted as it is read, as
+    mlx-lm's server does with a request's system segment."""
+    prompt = system + ask
+    cache, rest = store.fetch_nearest_cache(KEY, prompt)
+    if cache is None:
+        cache, rest = model.make_cache(), prompt
+    head = len(system) - (len(prompt) - len(rest))
+    if head > 0:
+        model(mx.array(rest[:head])[None], cache=cache)
+        store.insert_cache(KEY, system, copy.deepcopy(cache), cache_type="system")
+        rest = rest[head:]
+    toks, rows = greedy(model, mx.array(rest), n=n, prompt_cache=cache)
+    store.insert_cache(KEY, prompt + toks, cache)
+    return toks, rows, len(prompt) - len(rest) - max(head, 0)
+
+
+@pytest.mark.parametrize(
+    "algo,opts",
+    [
+        ("kivi", dict(bits=2, group=32, residual=8)),
+        ("streaming_llm", dict(budget=40)),
+        ("kvzip", dict(budget=40)),
+    ],
+)
+def test_users_sharing_a_system_prompt_reuse_it_after_another_users_request(algo, opts):
+    """A finished request's entry extends the shared system prompt's entry but
+    cannot be trimmed back to it (a quantized group, an eviction, a compression
+    past it): the system prompt's entry stays, and the next user with the same
+    system prompt starts from it, with what that user gets alone."""
+    from test_kvzip import TOK
+
+    model = tiny_model("llama", head_dim=32)
+    system = prompt_tokens(60, seed=21).tolist()
+    with veloxpatch.patched(model, algo, tokenizer=TOK, **opts) as patch:
+        patch.keep_snapshots = True
+        alone = serve_with_system(model, BoundedPromptCache(), system, ASK_B)
+        store = BoundedPromptCache()
+        assert serve_with_system(model, store, system, ASK_A)[2] == 0
+        after = serve_with_system(model, store, system, ASK_B)
+    assert after[2] == len(system)
     assert after[0] == alone[0]
     np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)

@@ -206,6 +206,32 @@ INTERNALS = (
         ),
         signature="(self, *, n_sequences, n_bytes)",
     ),
+    Internal(
+        "mlx_lm.models.cache:LRUPromptCache.__init__",
+        f"{_SERVE} replaces its `_trie` (a PromptTrie) with its own (serve/kv.py)",
+        source_sha256=(
+            "dad40f4ef6ae45a0e42747c40545cc3b5d7cccf0e32c2af41a13249539d62679"
+        ),
+        signature="(self, max_size, max_bytes)",
+    ),
+    Internal(
+        "mlx_lm.models.cache:PromptTrie.pop_prefixes",
+        f"{_SERVE} overrides it: insert_cache drops the entries it returns, and "
+        "an entry put back with `add` stays (serve/kv.py)",
+        source_sha256=(
+            "97a94c52e76815ebfcc3c9fae501d00732e898e20413993fc2bb5822f1944109"
+        ),
+        signature="(self, model, tokens)",
+    ),
+    Internal(
+        "mlx_lm.models.cache:PromptTrie.search",
+        f"{_SERVE} reads `shorter` (the longest entry a prefix of the tokens) "
+        "and `model` of its result, then `get`s it (serve/kv.py)",
+        source_sha256=(
+            "1748a78c55ada724fb359b394a4337d7c1b5e3540c835cca9e113b0324cf642e"
+        ),
+        signature="(self, model, tokens)",
+    ),
     # ---- mlx_lm.generate ----
     Internal(
         "mlx_lm.generate:generate_step",

@@ -24,11 +24,13 @@ room (try again later), 413 when it could never fit.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 
 from mlx_lm.models.cache import (
     LRUPromptCache,
+    PromptTrie,
     can_trim_prompt_cache,
     trim_prompt_cache,
 )
@@ -139,13 +141,39 @@ class KVLedger:
         return None if self.cap is None else self.cap - self.reserved
 
 
+class KeepingPromptTrie(PromptTrie):
+    """mlx-lm's trie of prompt-cache entries. Inserting a trimmable entry pops
+    the entries of its prefixes (it stands for them, trimmed back); here only
+    those `stands_for(prefix length)` allows, for the entry being inserted."""
+
+    def __init__(self):
+        super().__init__()
+        self.stands_for = None
+
+    def pop_prefixes(self, model, tokens):
+        popped = super().pop_prefixes(model, tokens)
+        if self.stands_for is None:
+            return popped
+        gone = []
+        for n, entry in popped:
+            if self.stands_for(n):
+                gone.append((n, entry))
+            else:  # put back: trimmed to it, the new entry would start over
+                self.add(model, tokens[:n], entry)
+        return gone
+
+
 class BoundedPromptCache(LRUPromptCache):
     """mlx-lm's prompt cache, shared between the generation thread and request
     threads (hence the lock), trimmed to what the cap leaves it, and logging
-    what each finished request's caches held."""
+    what each finished request's caches held. An entry keeps its prefixes'
+    entries (a shared system prompt, a document) when trimming it back to
+    them could not be reused (`trimmed_exactly`), and a request falls back to
+    such a shorter entry when the longer one cannot serve it."""
 
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
         super().__init__(max_size, max_bytes)
+        self._trie = KeepingPromptTrie()
         self._lock = threading.RLock()
         self.ledger: KVLedger | None = None
 
@@ -162,8 +190,28 @@ class BoundedPromptCache(LRUPromptCache):
         shared = len(tokens) - len(rest)
         if cache is not None and not trimmed_exactly(cache, shared, len(rest)):
             # rows evicted (or statistics taken) after the shared prefix read what
-            # followed it (another request's prompt): start over, not reuse them
-            log.info("prompt cache: the nearest entry was trimmed past evictions")
+            # followed it (another request's prompt): not reused; a shorter entry
+            # (the shared system prompt) is, or the request starts over
+            cache, rest = self._shorter_entry(model, tokens)
+            log.info(
+                "prompt cache: the nearest entry was trimmed past evictions; %s",
+                "starting over"
+                if cache is None
+                else f"a shorter one holds {len(tokens) - len(rest)} tokens",
+            )
+        return cache, rest
+
+    def _shorter_entry(self, model, tokens):
+        """A copy of the longest entry whose tokens start `tokens` (shorter than
+        them) and the tokens it leaves, or (None, tokens)."""
+        with self._lock:
+            found = self._trie.search(model, tokens)
+            if found.shorter is None:
+                return None, tokens
+            entry = self._trie.get(found.model, found.shorter)
+            cache = copy.deepcopy(entry.prompt_cache)
+        rest = tokens[len(found.shorter) :]
+        if not trimmed_exactly(cache, len(found.shorter), len(rest)):
             return None, tokens
         return cache, rest
 
@@ -185,7 +233,12 @@ class BoundedPromptCache(LRUPromptCache):
                 return
             tokens, prompt_cache, cache_type = kept
         with self._lock:
-            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+            # its prefixes' entries go only where it stands for them exactly
+            self._trie.stands_for = lambda n: reproduces(prompt_cache, n)
+            try:
+                super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+            finally:
+                self._trie.stands_for = None
             room = self.ledger.prompt_cache_room() if self.ledger else None
             if room is not None and self.nbytes > room:
                 self.trim_to(n_bytes=room)
@@ -204,6 +257,20 @@ def trimmed_exactly(caches, shared: int, coming: int | None = None) -> bool:
         or (c.decode_from is not None and c.decode_from <= shared)
         for c in ours
     ) and (coming is None or all(c.queries_short <= coming for c in ours))
+
+
+def reproduces(caches, n: int) -> bool:
+    """Whether `caches` trimmed back to their first n tokens could be reused
+    (`trimmed_exactly`), tried on a copy where a trim cannot undo something."""
+    ours = [c for c in caches if hasattr(c, "irreversible_at")]
+    if not ours:
+        return True
+    offset = ours[0].offset
+    if offset <= n:
+        return True
+    trial = copy.deepcopy(caches)
+    trim_prompt_cache(trial, offset - n)
+    return trimmed_exactly(trial, n)
 
 
 def kept_for_later(tokens, caches):
