@@ -80,10 +80,24 @@ def later_rows() -> list[list[str]]:
                 f"{c['peak_bytes'] / 1e6:.0f} MB"
             )
             theirs.append(f"{u['peak_bytes'] / 1e6:.0f} MB")
+    if (rm.RESULTS / "long_prompt_kv_bits.json").exists():
+        lq = load("long_prompt_kv_bits")
+        got = {r["arm"]: r for r in lq["table"]}
+        arms = ("snapkv_chunks", "snapkv_chunks_kv4", "unpatched")
+        if all(a in got for a in arms):
+            c, q, u = (got[a] for a in arms)
+            ours.append(
+                f"{c['prompt_tokens']:,} tokens at `--max-kv-bytes "
+                f"{lq['config']['max_kv_bytes']}` (chunks of "
+                f"{lq['config']['prefill_step']:,}): {c['peak_bytes'] / 1e6:.0f} MB, "
+                f"`kv_bits=4` (more rows, 4-bit) {q['peak_bytes'] / 1e6:.0f} MB"
+            )
+            theirs.append(f"{u['peak_bytes'] / 1e6:.0f} MB")
     if ours:
         rows.append(
             [
-                "peak memory above the weights reading a long prompt (chunks of 512)",
+                "peak memory above the weights reading a long prompt "
+                "(chunks of 512 unless said)",
                 "; ".join(ours),
                 "; ".join(theirs),
             ]

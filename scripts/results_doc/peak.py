@@ -237,28 +237,34 @@ def attention_tiles() -> list[str]:
             r["mode"],
             f"{r['queries']:,} x {r['rows_against']:,}",
             _mb(r["peak_bytes"]),
+            f"{r['seconds']:.2f}" if "seconds" in r else "",
         ]
         for r in res["rows"]
     ]
     return [
-        "## Explicit attention probabilities in tiles of queries",
+        "## Attention in tiles of queries",
         "",
         "`scripts/bench_attention_tiles.py`: where veloxpatch computes attention "
         "probabilities itself (H2O's and Keyformer's accumulated attention, "
         "kvzip's reconstruction), it takes them a tile of queries at a time "
-        "(at most 2^22 float32 logits), each evaluated before the next. One "
+        "(at most 2^22 float32 logits), each evaluated before the next. On the "
+        "CPU, where mlx's fused attention materialises a call's scores, every "
+        "cache but `full` (which stays mlx-lm's call, bit for bit) also runs a "
+        "long call's fused attention in tiles of at most 2^20 scores, each over "
+        "the rows its queries can see and chained after the previous "
+        "(`attention_math.fused_attention`); `kivi` reads its quantized rows "
+        "dequantized once. `one piece` turns both off. One "
         "layer of SmolLM2's shape, random inputs, mlx's peak above the memory "
-        "in use before the call (median of "
+        "in use before the call and the call's seconds (median of "
         f"{cfg['repeats']}, each in a process of its own): `h2o` and `keyformer` "
-        f"at budget 512, the last {cfg['chunk']:,}-query chunk of a "
-        f"{cfg['context']:,}-token prompt (their fused attention output "
-        "included: on the CPU it is unfused and its scores are the rest of the "
-        f"peak); `kvzip`, one {cfg['chunk']:,}-query repeat chunk against a "
-        f"{cfg['context']:,}-row context.",
+        f"at budget 512, `snapkv` (nothing evicted: the fused attention alone) "
+        f"and `kivi:bits=4`, the last {cfg['chunk']:,}-query chunk of a "
+        f"{cfg['context']:,}-token prompt; `kvzip`, one {cfg['chunk']:,}-query "
+        f"repeat chunk against a {cfg['context']:,}-row context.",
         "",
         meta(name, res),
         "",
-        *table(["arm", "probabilities", "queries x rows", "peak MB"], body),
+        *table(["arm", "tiles", "queries x rows", "peak MB", "seconds"], body),
         "",
         *command(
             f"{PY} scripts/bench_attention_tiles.py", cfg, ["context", "chunk", "out"]
@@ -268,7 +274,14 @@ def attention_tiles() -> list[str]:
 
 
 def long_prompt() -> list[str]:
-    name = "long_prompt"
+    return [
+        *_long_prompt("long_prompt"),
+        *_long_prompt("long_prompt_kv_bits"),
+        *_long_prompt("long_prompt_kv_bits_81dd46d"),
+    ]
+
+
+def _long_prompt(name: str) -> list[str]:
     if not (rm.RESULTS / f"{name}.json").exists():
         return []
     res = load(name)
@@ -285,8 +298,30 @@ def long_prompt() -> list[str]:
         ]
         for r in rows
     ]
+    title = "## A prompt past the model's context through `veloxpatch generate`"
+    quantized = []
+    if name == "long_prompt_kv_bits":
+        title = "## A long prompt at the same bytes, quantized rows"
+        quantized = [
+            "The `kv_bits` arms hold the same bytes as more rows (4-bit, and "
+            "2-bit with `kv_rotate=hadamard`): the rows attended grow with them, "
+            "and with them the attention's share of the peak and its time. "
+            "tok/s: one run each, on a CPU shared with other work.",
+            "",
+        ]
+    elif name.startswith("long_prompt_kv_bits_"):
+        title = f"### The same at commit `{res['run']['git_commit']}`"
+        quantized = [
+            "Before the CPU's fused attention ran in tiles, the quantized rows' "
+            "prompt chunks were read through an [L, slots] mask, many query rows "
+            "went through mlx's quantized kernels and a cut during the prompt was "
+            "evaluated only at the caller's step end. The same command (the "
+            "uncommitted change is the newer `scripts/long_prompt.py`, for its "
+            "arms); `unpatched` as above.",
+            "",
+        ]
     return [
-        "## A prompt past the model's context through `veloxpatch generate`",
+        title,
         "",
         f"`scripts/long_prompt.py`: {cfg['tokens']:,} tokens of evaluation prose "
         "and a question, each arm a `veloxpatch generate` command in its own "
@@ -305,6 +340,7 @@ def long_prompt() -> list[str]:
             body,
         ),
         "",
+        *quantized,
         *_missing_arms(cfg, rows),
         *command(
             f"{PY} scripts/long_prompt.py",

@@ -254,6 +254,39 @@ def kernel_times() -> list[str]:
         "unpatched is bounded by that kernel, not by veloxpatch's code around it; "
         "on Apple GPUs these are different (Metal) kernels, not measured here.",
         "",
+        *kernel_rows(res),
+    ]
+
+
+def kernel_rows(res: dict) -> list[str]:
+    """Quantized kernels on the CPU against more query rows."""
+    sweep = res.get("rows_sweep")
+    if not sweep:
+        return []
+    body = [
+        [
+            f"{r['rows']}",
+            f"{r['bits']}",
+            f"{r['quantized_ms']:.2f}",
+            f"{r['dequantized_ms']:.2f}",
+        ]
+        for r in sweep
+    ]
+    return [
+        "### Quantized kernels on the CPU",
+        "",
+        "The same two products for more query rows per KV head (query heads "
+        "sharing a KV head times the call's queries: a verify step, a short "
+        "prompt, a scorer's window or probability tile), on the quantized rows "
+        "against dequantizing them first and multiplying densely (the same "
+        "file, `rows_sweep`). mlx's CPU kernels grow linearly with the rows; "
+        "the dense copy barely does. So on the CPU, from `CPU_DENSE_ROWS` = 8 "
+        "rows (`caches/qview.py`) attention and scoring over quantized rows "
+        "read one dense copy, made once per call; decode (3 rows on SmolLM2) "
+        "stays on the kernels.",
+        "",
+        *table(["rows", "bits", "quantized ms", "dequantized ms"], body),
+        "",
     ]
 
 
