@@ -261,13 +261,14 @@ def trimmed_exactly(caches, shared: int, coming: int | None = None) -> bool:
 
 def reproduces(caches, n: int) -> bool:
     """Whether `caches` trimmed back to their first n tokens could be reused
-    (`trimmed_exactly`), tried on a copy where a trim cannot undo something."""
+    (`trimmed_exactly`): tried on a copy, unless they already could not (a
+    trim only adds what it cannot undo)."""
     ours = [c for c in caches if hasattr(c, "irreversible_at")]
-    if not ours:
+    if not ours or ours[0].offset <= n:
         return True
     offset = ours[0].offset
-    if offset <= n:
-        return True
+    if not trimmed_exactly(caches, n):
+        return False
     trial = copy.deepcopy(caches)
     trim_prompt_cache(trial, offset - n)
     return trimmed_exactly(trial, n)
