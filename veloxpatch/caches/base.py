@@ -79,9 +79,6 @@ class VeloxCache(RowStorage):
     wants_layer_input: ClassVar[bool] = False  # handed (x, o_proj) before attend
     wants_token_ids: ClassVar[bool] = False  # records the ids of each model call
     batchable: ClassVar[bool] = False  # `merge` builds a batch (caches/batch.py)
-    # a long prompt call attends in tiles of queries on the CPU (bounded peak);
-    # `full` calls mlx's kernel as mlx-lm does, bit for bit
-    tiles_attention: ClassVar[bool] = True
     batch_refusal: ClassVar[str] = "its batch contract is not implemented"
     # not deep-copied: kvzap's o_proj is the model's module (an nn.Module is a dict)
     _shared_attrs: ClassVar[tuple] = (
@@ -291,10 +288,7 @@ class VeloxCache(RowStorage):
     def attention(self, q, keys, values, mask, scale):
         if hasattr(keys, "attend"):  # rows in another layout (qview.py)
             return keys.attend(q, scale)
-        if not self.tiles_attention:
-            return mx.fast.scaled_dot_product_attention(
-                q, keys, values, scale=scale, mask=mask
-            )
+        # a long prompt call in tiles of queries on the CPU (a bounded peak)
         return fused_attention(q, keys, values, scale, mask)
 
     def after_attend(self, q, new_rows: int) -> None:

@@ -1,6 +1,8 @@
 """`full`: keep everything. The parity reference: same storage and the same fused
 attention call as mlx-lm's KVCache, so the patched model is bit-identical."""
 
+import mlx.core as mx
+
 from .base import VeloxCache
 from .batch import sequence_batch
 from .batch_full import FullBatch
@@ -10,7 +12,12 @@ class FullCache(VeloxCache):
     name = "full"
     summary = "keeps everything; bit-identical to unpatched mlx-lm (parity reference)"
     batchable = True
-    tiles_attention = False
+
+    def attention(self, q, keys, values, mask, scale):
+        # mlx-lm's very call, untiled: bit for bit the unpatched model
+        return mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=scale, mask=mask
+        )
 
     @classmethod
     def batch_of(cls, caches):
