@@ -130,6 +130,24 @@ ROTATED = [
         dict(budget=40, window=4, kv_bits=2, kv_key_bits=3, kv_residual=4),
         "snapkv-k3v2",
     ),
+    # logits debiased by the keys' rounding variance, with and without eviction
+    (
+        "kivi",
+        dict(bits=2, residual=4, kv_rotate="query", kv_debias=True),
+        "kivi-query-debias",
+    ),
+    (
+        "snapkv",
+        dict(
+            budget=40,
+            window=4,
+            kv_bits=2,
+            kv_residual=4,
+            kv_rotate="hadamard",
+            kv_debias=True,
+        ),
+        "snapkv-kv2-debias",
+    ),
     # the rows not quantized held in fp16 (an evicting algorithm compacts them)
     (
         "snapkv",

@@ -118,16 +118,18 @@ def test_cache_attention_equals_dense_attention_of_its_rows(
     assert (cache.store.key_scale is not None) == (rotation == "query")
 
 
+@pytest.mark.parametrize("debias", [False, True])
 @pytest.mark.parametrize("rotation", ["hadamard", "query"])
-def test_rotated_rows_round_trip_a_file(tmp_path, rotation):
+def test_rotated_rows_round_trip_a_file(tmp_path, rotation, debias):
     model = tiny_model("qwen3", head_dim=D)
-    opts = dict(bits=2, residual=4, kv_rotate=rotation)
+    opts = dict(bits=2, residual=4, kv_rotate=rotation, kv_debias=debias)
     with veloxpatch.patched(model, "kivi", **opts) as patch:
         caches = patch.make_cache()
         model(prompt_tokens(80)[None], cache=caches)
         veloxpatch.save_cache(tmp_path / "c.safetensors", caches)
         loaded = veloxpatch.load_cache(tmp_path / "c.safetensors")
         for a, b in zip(caches, loaded):
+            assert b.options.kv_debias is debias
             assert (np.array(a.store.signs) == np.array(b.store.signs)).all()
             if rotation == "query":
                 assert mx.array_equal(a.store.key_scale, b.store.key_scale)
@@ -792,3 +794,146 @@ def test_key_bits_reach_the_cache_file_and_the_byte_bound(tmp_path):
 def test_key_bits_options_are_checked(algo, opts, match):
     with pytest.raises(OptionError, match=match):
         ALGORITHMS[algo].Options.create(algo, opts)
+
+
+# ---- logit debiasing (kv_debias) --------------------------------------------------
+def hadamard_matrix(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(n)
+
+
+def expected_bias(store, residual: int, qg) -> np.ndarray:
+    """The bias [B, H, M, slots] kv_debias adds, from the stored steps alone:
+    minus sum_c q'_c^2 step_c^2 / 24 per quantized row (q' the query as the
+    store reads it: divided by the key scales, then rotated), 0 elsewhere."""
+    q = np.array(qg, np.float64)
+    if store.key_scale is not None:
+        q = q / np.array(store.key_scale, np.float64)[:, :, None, :]
+    if store.signs is not None:
+        q = (q * np.array(store.signs)[None, :, None, :]) @ hadamard_matrix(D)
+    part = store.parts[0]
+    steps = np.array(part.ks.astype(mx.float32), np.float64)
+    if part.keys == "token":  # [B, H, T, D / group] -> per row and channel
+        per_row = np.repeat(steps, part.group, axis=-1)
+    else:  # [B, H, D, T / group] -> [B, H, T, D]
+        per_row = np.repeat(steps, part.group, axis=-1).swapaxes(-1, -2)
+    noise = (q**2) @ (per_row**2).swapaxes(-1, -2) / 24.0
+    B, H, M, _ = q.shape
+    return np.concatenate(
+        [
+            np.zeros((B, H, M, store.sink_rows)),
+            -noise,
+            np.zeros((B, H, M, residual)),
+        ],
+        axis=-1,
+    )
+
+
+@pytest.mark.parametrize("rotation", [None, "hadamard", "query"])
+@pytest.mark.parametrize("keys", ["channel", "token"])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+def test_debiased_attention_is_dense_attention_plus_the_expected_bias(
+    heads, keys, rotation
+):
+    # prefill pieces (the dense copy, in tiles) and decode (the kernels) alike
+    hq, hkv = heads
+    rep = hq // hkv
+    cls = ALGORITHMS["kivi"]
+    opts = dict(bits=2, residual=4, kv_rotate=rotation, kv_keys=keys, kv_sinks=2)
+    cache = cls(cls.Options(**opts, kv_debias=True))
+    total, checked = 0, 0
+    for i, L in enumerate([20, 30, 25, 40, 1, 1]):
+        kq, kk, kv = mx.random.split(mx.random.key(31 + i), 3)
+        q = mx.random.normal((1, hq, L, D), key=kq)
+        k = mx.random.normal((1, hkv, L, D), key=kk)
+        v = mx.random.normal((1, hkv, L, D), key=kv)
+        bias = None
+        dk, dv = k, v
+        if total:
+            view = cache._view()[0]
+            dk, dv = view.rows_dense()
+            if cache.store is not None and cache.store.parts[0].rows:
+                qg = (q * D**-0.5).reshape(1, hkv, rep * L, D)
+                held = cache.keys.shape[2]
+                bias = expected_bias(cache.store, held + L, qg)
+                bias = bias.reshape(1, hq, L, -1)
+            dk, dv = mx.concatenate([dk, k], 2), mx.concatenate([dv, v], 2)
+        out = cache.attend(q, k, v, rope=lambda t, offset=0: t, scale=D**-0.5)
+        total += L
+        visible = mx.arange(total)[None] <= mx.arange(total - L, total)[:, None]
+        mask = mx.where(visible, 0.0, -mx.inf)
+        if bias is not None:
+            mask = mask + mx.array(bias.astype(np.float32))
+            checked += 1
+        ref = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=D**-0.5, mask=mask)
+        assert rel(out, ref) < 1e-5
+    assert checked == 4 and cache.quantized > 2
+
+
+def test_debiasing_makes_the_summed_attention_weight_of_rotated_rows_unbiased():
+    # sum_i exp(q . k_i) over many rows: quantized keys inflate it by the
+    # logit noise (E exp(x + n) = exp(x) exp(var / 2)); the bias takes it back
+    cls = ALGORITHMS["kivi"]
+    n, m = 32 * 64, 64
+    k = mx.random.normal((1, 1, n, D), key=mx.random.key(5))
+    # logits of standard deviation 1.6 (attention's range; where one row's
+    # logit dwarfs all others the sum is that row's, and no mean correction fits)
+    q = 0.2 * mx.random.normal((1, 1, m, D), key=mx.random.key(6))
+    exact = mx.exp(q @ k.swapaxes(-1, -2)).sum(-1)
+    errors = {}
+    for debias in (False, True):
+        opts = cls.Options(bits=2, residual=0, kv_rotate="hadamard", kv_sinks=0)
+        cache = cls(opts)
+        cache.attend(q[:, :, :1], k, k, rope=lambda t, offset=0: t, scale=1.0)
+        store = cache.store
+        logits = store.logits(q)
+        if debias:
+            logits = logits + store.logit_bias(q)
+        ratio = mx.exp(logits).sum(-1) / exact
+        errors[debias] = abs(float(mx.log(ratio).mean()))
+    assert errors[False] > 0.1  # inflated by exp(var / 2) without the bias
+    assert errors[True] < errors[False] / 4
+
+
+@pytest.mark.parametrize(
+    "algo, opts, match",
+    [
+        ("kivi", dict(kv_debias="yes"), "kv_debias must be"),
+        ("kivi", dict(bits=4, kv_grid="mxfp4", kv_debias=True), "affine"),
+        ("kivi", dict(kv_keys="token", kv_qjl=True, kv_debias=True), "kv_qjl"),
+        ("snapkv", dict(kv_debias=True), "kv_bits"),
+    ],
+)
+def test_debias_options_are_checked(algo, opts, match):
+    with pytest.raises(OptionError, match=match):
+        ALGORITHMS[algo].Options(**opts)
+    assert ALGORITHMS["kivi"].Options(kv_rotate="hadamard").kv_debias is False
+
+
+@pytest.mark.parametrize("algo", ["h2o", "kivi"])
+def test_debiased_dense_copy_reads_as_the_kernels_over_holes_and_slots(
+    algo, monkeypatch
+):
+    # a chunk of queries reads a dense copy (rows in row order, holes dropped);
+    # fewer read the kernels over slots: with the bias both attend alike
+    from veloxpatch.caches import qview
+
+    model = tiny_model("qwen3", head_dim=D)
+    ids = prompt_tokens(140, seed=3)
+    opts = dict(kv_bits=2, kv_residual=4, budget=60) if algo == "h2o" else {}
+    opts = opts or dict(bits=2, residual=4)
+    with veloxpatch.patched(
+        model, algo, **opts, kv_rotate="query", kv_debias=True
+    ) as patch:
+        caches = patch.make_cache()
+        greedy(model, ids[:100], n=20, prompt_cache=caches)
+        if algo == "h2o":
+            assert any(c.holes > 0 for c in caches)
+        chunk = ids[100:110][None]
+        outs = []
+        for rows in (1, 10**9):  # every read dense, then every read on the kernels
+            monkeypatch.setattr(qview, "CPU_DENSE_ROWS", rows)
+            outs.append(model(chunk, cache=[c.clone() for c in caches]))
+    assert rel(outs[0], outs[1]) < 1e-4

@@ -59,7 +59,8 @@ class EvictionOptions(CacheOptions):
     `kv_qjl=True`: TurboQuant's 1-bit residual on keys (per token).
     `kv_sinks`: the first rows held dense ahead of the quantized ones, 1 by
     default with `kv_rotate` (as kivi's); `sinks` is raised to it, so they are
-    never evicted.
+    never evicted. `kv_debias=True`: each quantized key's logit less half its
+    expected rounding variance (as kivi's).
     `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
     (Ada-KV: a layer's heads share budget x heads rows by their scores, each
     keeping at least the fraction `alpha`, default 0.2, of the uniform share;
@@ -82,6 +83,7 @@ class EvictionOptions(CacheOptions):
     kv_dense: str = "model"
     kv_qjl: bool = False
     kv_sinks: int | None = None
+    kv_debias: bool | None = None
     head_budget: str = "uniform"
     alpha: float | None = None
     max_kv_bytes: int | str | None = None
@@ -161,6 +163,7 @@ class EvictionOptions(CacheOptions):
             check_quant,
             check_rotate,
             dense_sinks,
+            logit_debias,
         )
 
         # kv_group and kv_residual are checked even while kv_bits is unset.
@@ -181,6 +184,9 @@ class EvictionOptions(CacheOptions):
         check_int("sinks", self.sinks, 0)
         self.kv_sinks = dense_sinks(self.kv_sinks, self.kv_rotate, self.kv_bits)
         self.sinks = max(self.sinks, self.kv_sinks)  # held dense: never evicted
+        self.kv_debias = logit_debias(
+            self.kv_debias, self.kv_bits, self.kv_grid, self.kv_qjl, "kv_"
+        )
         check_int("budget", self.budget, 1)
         check_choice("head_budget", self.head_budget, HEAD_BUDGETS)
         if self.head_budget == "adaptive":

@@ -28,6 +28,7 @@ from .kv_bits import (
     check_rotatable,
     check_rotate,
     dense_sinks,
+    logit_debias,
 )
 from .options import CacheOptions
 
@@ -50,7 +51,9 @@ class KIVIOptions(CacheOptions):
     `kv_qjl=True`: TurboQuant's 1-bit residual on keys (`kv_keys="token"`).
     `kv_sinks`: the first rows held dense, never quantized (`quantized.py`);
     default 1 with a rotation (our TurboQuant-style path, its defaults chosen by
-    measurement: docs/results.md), 0 without (KIVI's definition)."""
+    measurement: docs/results.md), 0 without (KIVI's definition).
+    `kv_debias=True`: each quantized key's logit less half its expected
+    rounding variance, so exp(logit) is unbiased (`quantized.py`)."""
 
     bits: int | str = 2
     key_bits: int | None = None
@@ -64,6 +67,7 @@ class KIVIOptions(CacheOptions):
     kv_dense: str = "model"
     kv_qjl: bool = False
     kv_sinks: int | None = None
+    kv_debias: bool | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -75,6 +79,9 @@ class KIVIOptions(CacheOptions):
         check_qjl(self.kv_qjl, self.bits, self.kv_keys, self.kv_grid)
         check_key_bits(self.key_bits, self.bits, self.kv_qjl, self.kv_grid)
         self.kv_sinks = dense_sinks(self.kv_sinks, self.kv_rotate, self.bits)
+        self.kv_debias = logit_debias(
+            self.kv_debias, self.bits, self.kv_grid, self.kv_qjl
+        )
 
     def bind(self, model, dims):
         check_group_divides(dims, self.group)

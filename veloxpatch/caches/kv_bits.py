@@ -48,6 +48,7 @@ from .kv_options import (  # noqa: F401  (the names callers import from here)
     check_rotate,
     dense_sinks,
     layer_total,
+    logit_debias,
 )
 from .quantized import QuantizedStore, qjl_matrix, rotation_signs, sinks_then_groups
 from .qview import QuantizedView
@@ -144,6 +145,7 @@ class QuantizedKV:
             self.offset if qstart is None else qstart,
             self.slot_positions() if masked else None,
             self.padded,
+            self.options.kv_debias,
         )
         return view, view
 

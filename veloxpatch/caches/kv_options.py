@@ -54,6 +54,23 @@ def dense_sinks(sinks, rotate, bits) -> int:
     return sinks
 
 
+def logit_debias(debias, bits, grid, qjl, prefix: str = "") -> bool:
+    """`kv_debias`: attention subtracts each quantized key's expected rounding
+    variance from its logit, halved (`quantized.py`); off unless asked. It
+    reads the affine grid's steps, so it needs quantized rows on one, without
+    kv_qjl (whose sketch has a variance of its own)."""
+    if debias is None:
+        return False
+    if not isinstance(debias, bool):
+        raise OptionError(f"kv_debias must be true or false, got {debias!r}")
+    if debias and (bits is None or grid == "mxfp4" or qjl):
+        raise OptionError(
+            f"kv_debias needs {prefix}bits on an affine kv_grid (not mxfp4) and "
+            "no kv_qjl: it reads the grid's steps"
+        )
+    return debias
+
+
 def check_rotate(rotate, keys, bits, prefix: str = "") -> None:
     """`kv_rotate`: None, "hadamard" or "query" (the Hadamard rotation after
     scaling key channels by the prompt's queries, `quantized.py`), which need

@@ -66,6 +66,17 @@ the quantized groups. Their keys are outliers that take a group's scale, and
 every query reads them: at 2 bits keeping them dense halves SmolLM2's
 continuation KL for 1/2000 of the rows (docs/results.md).
 
+Debiased logits (`debias`, kivi's and `kv_bits`' `kv_debias`): a rounded key
+k_hat = k + e puts noise q . e on its logit, and E exp(x + n) = exp(x)
+exp(var(n) / 2): the softmax's sum over many quantized rows is inflated
+against exact ones (sinks, residual) and groups of wide steps against narrow
+ones. Rounding to a step s is close to uniform error, variance s^2 / 12 per
+coordinate, so attention subtracts sum_c q_c^2 s_c^2 / 24 from each quantized
+row's logit (`noise`, the steps already stored: one small matmul of squared
+queries by squared scales). The uniform model fits rotated rows, whose
+coordinates are near Gaussian; unrotated channels with outliers round
+unevenly. Scoring reads the logits undebiased.
+
 Key width (`key_bits`, kivi's `key_bits` and `kv_key_bits`): keys at another
 width than values, as llama.cpp's separate key and value cache types. Keys and
 values already sit in their own arrays and kernel calls, so only the width
@@ -341,6 +352,19 @@ class QuantizedRows:
         """p [B, H, M, T] . V -> [B, H, M, D]."""
         return self._qmm(p, self.vw, self.vs, self.vb)
 
+    def noise(self, q: mx.array) -> mx.array:
+        """Half the expected variance of q . (k - k_hat) per row [B, H, M, T]
+        (float32): rounding to a step s is uniform error of variance s^2 / 12
+        per coordinate, so sum_c q_c^2 s_c^2 / 24 (module doc, `debias`)."""
+        q2 = q.astype(mx.float32) ** 2
+        s2 = self.ks.astype(mx.float32) ** 2 / 24.0
+        if self.keys == "token":  # s2 [B, H, T, D/group]: a step per channel group
+            *lead, M, D = q2.shape
+            q2 = q2.reshape(*lead, M, D // self.group, self.group).sum(-1)
+            return q2 @ s2.swapaxes(-1, -2)
+        # s2 [B, H, D, T/group]: a step per channel and group of rows
+        return mx.repeat(q2 @ s2, self.group, axis=-1)
+
     def dequantize(self, dtype) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H, T, D] in `dtype` (computed, never stored):
         with `qjl`, each key plus alpha x signs S, the residual's unbiased
@@ -564,6 +588,20 @@ class QuantizedStore:
             q = self._queries_in(q)
         out = self._join([p.logits(qh) for p, qh in zip(self.parts, self._split(q))])
         return out if sink is None else mx.concatenate([sink, out], axis=-1)
+
+    def logit_bias(self, q: mx.array) -> mx.array | None:
+        """What `debias` adds to `logits(q)` [B, H, M, rows] (float32): minus
+        each quantized row's `noise`, 0 for the sinks; None before any row
+        is quantized."""
+        if not self.parts[0].rows:
+            return None
+        if self.signs is not None:
+            q = self._queries_in(q)
+        out = -self._join([p.noise(qh) for p, qh in zip(self.parts, self._split(q))])
+        if not self.sink_rows:
+            return out
+        B, H, M = out.shape[:3]
+        return mx.concatenate([mx.zeros((B, H, M, self.sink_rows)), out], axis=-1)
 
     def weighted(self, p: mx.array) -> mx.array:
         s = self.sink_rows

@@ -36,13 +36,23 @@ CPU_DENSE_ROWS = 8
 
 class QuantizedView:
     def __init__(
-        self, store, keys, values, slot, rows, qstart=0, slot_pos=None, padded=False
+        self,
+        store,
+        keys,
+        values,
+        slot,
+        rows,
+        qstart=0,
+        slot_pos=None,
+        padded=False,
+        debias=False,
     ):
         self.store, self.keys, self.values = store, keys, values
         self.slot, self.rows = slot, rows
         self.qstart = qstart  # position of the call's first query
         self.slot_pos = slot_pos  # [B, H, S]: None when nothing needs masking
         self.padded = padded  # some heads hold padding rows (PAD)
+        self.debias = debias  # attention adds the store's `logit_bias`
         self._rows_dense = None
 
     @property
@@ -105,19 +115,59 @@ class QuantizedView:
             self._rows_dense = keys, values
         return self._rows_dense
 
+    def slot_bias(self, qg: mx.array) -> mx.array | None:
+        """`debias`: what attention adds to the logits of qg [B, H, M, D]
+        (scaled) per slot [B, H, M, S], float32; None when nothing is added."""
+        if not self.debias or self.store is None:
+            return None
+        bias = self.store.logit_bias(qg)
+        if bias is None or not self.keys.shape[2]:
+            return bias
+        residual = mx.zeros((*bias.shape[:3], self.keys.shape[2]))
+        return mx.concatenate([bias, residual], axis=-1)
+
+    def _tile_bias(self, q: mx.array, scale: float, first: int, stop: int):
+        """`slot_bias` of queries first..stop of q [B, Hq, L, D], as
+        [B, Hq, stop - first, S] (rows in slot order)."""
+        B, Hq, _, D = q.shape
+        H = self.keys.shape[1]
+        rep, n = Hq // H, stop - first
+        qg = (q[:, :, first:stop] * scale).reshape(B, H, rep * n, D)
+        bias = self.slot_bias(qg)
+        return None if bias is None else bias.reshape(B, Hq, n, -1)
+
     def _attend_dense(self, q: mx.array, scale: float) -> mx.array:
-        if not self.padded:
+        L = q.shape[2]
+        debiased = self.debias and self.store is not None and self.store.parts[0].rows
+        if not self.padded and not debiased:
             # every earlier row precedes the call's first query and the call's
             # rows come last: over the rows (holes dropped) "causal" is exact
             keys, values = self.rows_dense()
             return fused_attention(q, keys, values, scale, "causal")
+        if not self.padded:  # the same rows, the bias gathered into row order
+            keys, values = self.rows_dense()
+
+            def mask(first: int, stop: int) -> mx.array:
+                bias = self._tile_bias(q, scale, first, stop)
+                if self.slot is not None:
+                    idx = mx.repeat(self.slot, q.shape[1] // self.slot.shape[1], 1)
+                    bias = mx.take_along_axis(bias, idx[:, :, None, :], axis=-1)
+                last = self.rows - L + mx.arange(first, stop, dtype=mx.int32)
+                visible = mx.arange(self.rows, dtype=mx.int32) <= last[:, None]
+                return mx.where(visible, bias, -mx.inf).astype(q.dtype)
+
+            return fused_attention(q, keys, values, scale, mask)
         keys, values = self.dense()
         rep = q.shape[1] // keys.shape[1]
 
         def mask(first: int, stop: int) -> mx.array:  # queries first..stop by position
             qpos = mx.arange(self.qstart + first, self.qstart + stop, dtype=mx.int32)
             visible = self.slot_pos[:, :, None, :] <= qpos[:, None]
-            return mx.repeat(visible, rep, axis=1) if rep > 1 else visible
+            visible = mx.repeat(visible, rep, axis=1) if rep > 1 else visible
+            bias = self._tile_bias(q, scale, first, stop) if debiased else None
+            if bias is None:
+                return visible
+            return mx.where(visible, bias, -mx.inf).astype(q.dtype)
 
         return fused_attention(q, keys, values, scale, mask)
 
@@ -129,6 +179,8 @@ class QuantizedView:
             return self._attend_dense(q, scale)
         qg = (q * scale).reshape(B, H, rep * L, D)
         s = self.slot_logits(qg)
+        if (bias := self.slot_bias(qg)) is not None:
+            s = s.astype(mx.float32) + bias
         if self.slot_pos is not None:
             S = s.shape[-1]
             qpos = mx.arange(self.qstart, self.qstart + L, dtype=mx.int32)
