@@ -278,7 +278,44 @@ def _query_summary() -> str:
     passkey = f", passkey {' and '.join(got)}" if got else ""
     return (
         f' `kv_rotate="query"` (keys scaled by the queries) at {ratio:.2f}x: '
-        f"KL {kl}{passkey}."
+        f"KL {kl}{passkey}.{_debias_summary()}"
+    )
+
+
+DEBIAS = "kivi:bits=2,kv_debias=True,kv_rotate=query"
+DEBIAS_LEAN = DEBIAS.replace("bits=2,", "bits=2,group=64,").replace(
+    "kv_rotate=query", "kv_dense=float16,kv_rotate=query,residual=64"
+)
+
+
+def _debias_summary() -> str:
+    """Debiased query rows: KL at the default layout (against the same rows
+    without it, same run) and the lean one on both proses; passkey pooled over
+    the six seeds against the rows without it and full."""
+    names = ("quantizer_debias_evaluation", "quantizer_debias_licenses-evaluation")
+    if not all((rm.RESULTS / f"{n}.json").exists() for n in names):
+        return ""
+    tables = [by_key(load(n)["table"]) for n in names]
+    plain = DEBIAS.replace("kv_debias=True,", "")
+    at = " and ".join(f"{t[plain]['kl']:.3f} to {t[DEBIAS]['kl']:.3f}" for t in tables)
+    lean = " and ".join(f"{t[DEBIAS_LEAN]['kl']:.3f}" for t in tables)
+    sums: dict[str, list[int]] = {}
+    for seed in range(6):
+        name = f"passkey_debias_seed{seed}"
+        if (rm.RESULTS / f"{name}.json").exists():
+            for r in load(name)["passkey"]["table"]:
+                got = sums.setdefault(r["arm"], [0, 0])
+                got[0], got[1] = got[0] + r["correct"], got[1] + r["cases"]
+    passkey = ""
+    if sums.get(DEBIAS):
+        ok, n = sums[DEBIAS]
+        passkey = (
+            f"; passkey {ok}/{n} ({sums[plain][0]}/{n} without, full "
+            f"{sums['full'][0]}/{n}: no better)"
+        )
+    return (
+        f" `kv_debias` (logits less the keys' rounding noise): KL {at}, lean "
+        f"{lean}{passkey}."
     )
 
 

@@ -507,6 +507,14 @@ def _grid_study() -> list[str]:
         "0.087 in the earlier files of this page; the other arms "
         "measure within 0.002 of those files",
         "quantizer_query_control_licenses-evaluation": "The same on the second prose",
+        "quantizer_debias_evaluation": "### Debiased logits\n\n"
+        "`kv_debias=true`: each quantized key's logit less half its expected "
+        "rounding variance, sum_c q_c² s_c² / 24 over the grid's steps s_c "
+        "(rounding noise n on a logit inflates exp by exp(var(n)/2) on average, "
+        "so without it the softmax over many quantized rows outweighs the exact "
+        "ones). Query-scaled 2-bit rows with and without it, the plain rotation, "
+        "the fp16-residual layout and 3 bits with it, in one run",
+        "quantizer_debias_licenses-evaluation": "The same on the second prose",
     }
     out = []
     for name, lead, res in _present(intros):
@@ -584,6 +592,11 @@ def _rotated_passkey() -> list[str]:
         "`--seed 3`: contexts, depths and numbers no choice above saw), full, "
         "both rotations at 2 bits and mlx-lm's 4-bit cache in one run each:",
         "passkey_rotated_seed3": "",
+        "passkey_debias_seed4": "Debiased logits (`kv_debias=true`), with both "
+        "rotations, against the query-scaled rows without it and full, first on "
+        "cases no choice saw (`--seed 4`, then `--seed 5`), then on the cases of "
+        "the tables above (`--seed 0` to `3`):",
+        **{f"passkey_debias_seed{s}": "" for s in (5, 0, 1, 2, 3)},
     }
     out = []
     for name, intro, res in _present(intros):
@@ -601,23 +614,26 @@ def _rotated_passkey() -> list[str]:
             *command("veloxpatch eval", res["config"], keys),
             "",
         ]
-    return out + _rotated_passkey_pooled()
+    pooled = _rotated_passkey_pooled(POOLED_SEEDS, "All four seeds together")
+    debiased = "The debiased runs together, six seeds"
+    return out + pooled + _rotated_passkey_pooled(DEBIAS_SEEDS, debiased)
 
 
 POOLED_SEEDS = ("passkey_query", "passkey_query_seed1")
 POOLED_SEEDS += ("passkey_rotated_seed2", "passkey_rotated_seed3")
 POOLED_SEEDS += ("passkey_key_bits", "passkey_key_bits_seed1")
 POOLED_SEEDS += ("passkey_key_bits_seed2", "passkey_key_bits_seed3")
+DEBIAS_SEEDS = tuple(f"passkey_debias_seed{s}" for s in range(6))
 
 
-def _rotated_passkey_pooled() -> list[str]:
-    """Each arm's answers summed over the four seeds' runs that hold it: the
-    2-bit rows against full on 80 answers rather than 20. An arm in two runs of
-    one seed (full) counts once: the same cases."""
+def _rotated_passkey_pooled(seeds, lead: str) -> list[str]:
+    """Each arm's answers summed over the seeds' runs that hold it: the 2-bit
+    rows against full on 80 answers or more rather than 20. An arm in two runs
+    of one seed (full) counts once: the same cases."""
     from veloxpatch.eval.passkey import wilson as interval
 
-    runs = [res for _, _, res in _present(dict.fromkeys(POOLED_SEEDS, ""))]
-    if len(runs) < len(POOLED_SEEDS):
+    runs = [res for _, _, res in _present(dict.fromkeys(seeds, ""))]
+    if len(runs) < len(seeds):
         return []
     totals: dict[str, list[int]] = {}
     wrong: dict[str, list[str]] = {}
@@ -639,10 +655,9 @@ def _rotated_passkey_pooled() -> list[str]:
     for arm, (ok, n, seen) in totals.items():
         lo, hi = interval(ok, n)
         body.append([f"`{arm}`", f"{ok}/{n} [{lo:.2f}, {hi:.2f}]", str(seen)])
-    names = ", ".join(f"`{n}`" for n in POOLED_SEEDS)
+    names = ", ".join(f"`{n}`" for n in seeds)
     return [
-        f"All four seeds together ({names}; an arm counts once a seed, in the "
-        "runs that hold it):",
+        f"{lead} ({names}; an arm counts once a seed, in the runs that hold it):",
         "",
         *table(["arm", "answers", "runs"], body),
         "",
