@@ -515,6 +515,9 @@ def _grid_study() -> list[str]:
         "ones). Query-scaled 2-bit rows with and without it, the plain rotation, "
         "the fp16-residual layout and 3 bits with it, in one run",
         "quantizer_debias_licenses-evaluation": "The same on the second prose",
+        "quantizer_debias_unrotated": "Unrotated 2-bit rows with and without "
+        "`kv_debias`, and the plain rotation without it, on the segments of the "
+        "first debiased table",
     }
     out = []
     for name, lead, res in _present(intros):
@@ -718,7 +721,42 @@ def _rotated_speed() -> list[str]:
             *command("veloxpatch bench", cfg, BENCH_KEYS),
             "",
         ]
-    return out + _rotated_decode_alone()
+    return out + _rotated_decode_alone() + _debias_prefill()
+
+
+def _debias_prefill() -> list[str]:
+    """A chunked prompt's later chunks read the quantized rows through the
+    dense copy, where `kv_debias` adds its bias as a mask built per tile."""
+    if not (rm.RESULTS / "bench_debias_prefill.json").exists():
+        return []
+    res = load("bench_debias_prefill")
+    cfg = res["config"]
+    body = [
+        [
+            f"`{r['arm']}`",
+            f"{r['prefill_tok_per_s']:.1f}",
+            f"{r['prefill_ratio']:.2f}",
+            f"{r['prefill_peak_bytes'] / 1e6:.0f}",
+            f"{r['decode_tok_per_s']:.2f}",
+        ]
+        for r in res["table"]
+    ]
+    head = ["arm", "prefill tok/s", "vs unpatched", "prefill peak MB", "decode tok/s"]
+    keys = ["arms", "contexts", "prefill_step_size", "repeats", "decode_tokens", "out"]
+    return [
+        "The prefill with `kv_debias`: a prompt in chunks of "
+        f"{cfg['prefill_step_size']} (`veloxpatch bench`, {cfg['contexts']} tokens, "
+        f"{cfg['repeats']} interleaved repeats, medians), whose later chunks read "
+        "the quantized rows through the dense copy with the bias as an additive "
+        "mask built per tile:",
+        "",
+        meta("bench_debias_prefill", res),
+        "",
+        *table(head, body),
+        "",
+        *command("veloxpatch bench", cfg, keys),
+        "",
+    ]
 
 
 def _rotated_decode_alone() -> list[str]:
@@ -732,6 +770,9 @@ def _rotated_decode_alone() -> list[str]:
         "bench_rotated_query_decode": "Key channels scaled by the queries "
         '(`kv_rotate="query"`): one more scaling of each query before the key '
         "kernel:",
+        "bench_debias_decode": "Debiased logits (`kv_debias`): one matmul of "
+        "squared queries by squared key scales and an add over the logits, per "
+        "call:",
     }
     out = []
     for name, why, res in _present(intros):
