@@ -912,17 +912,18 @@ def test_debias_options_are_checked(algo, opts, match):
     assert ALGORITHMS["kivi"].Options(kv_rotate="hadamard").kv_debias is False
 
 
-@pytest.mark.parametrize("algo", ["h2o", "kivi"])
+@pytest.mark.parametrize("algo", ["h2o", "adakv", "kivi"])
 def test_debiased_dense_copy_reads_as_the_kernels_over_holes_and_slots(
     algo, monkeypatch
 ):
-    # a chunk of queries reads a dense copy (rows in row order, holes dropped);
-    # fewer read the kernels over slots: with the bias both attend alike
+    # a chunk of queries reads a dense copy (rows in row order, holes dropped;
+    # per slot, masked, where Ada-KV pads heads); fewer read the kernels over
+    # slots: with the bias both attend alike
     from veloxpatch.caches import qview
 
     model = tiny_model("qwen3", head_dim=D)
     ids = prompt_tokens(140, seed=3)
-    opts = dict(kv_bits=2, kv_residual=4, budget=60) if algo == "h2o" else {}
+    opts = dict(kv_bits=2, kv_residual=4, budget=60) if algo != "kivi" else {}
     opts = opts or dict(bits=2, residual=4)
     with veloxpatch.patched(
         model, algo, **opts, kv_rotate="query", kv_debias=True
@@ -931,6 +932,8 @@ def test_debiased_dense_copy_reads_as_the_kernels_over_holes_and_slots(
         greedy(model, ids[:100], n=20, prompt_cache=caches)
         if algo == "h2o":
             assert any(c.holes > 0 for c in caches)
+        if algo == "adakv":
+            assert any(c.padded for c in caches)
         chunk = ids[100:110][None]
         outs = []
         for rows in (1, 10**9):  # every read dense, then every read on the kernels

@@ -30,21 +30,16 @@ def fused_attention(q, keys, values, scale, mask):
     queries can see ("causal": up to its last query), each after the previous
     (mx.depends: mlx would otherwise schedule every tile's scores at once).
     `mask`: as mlx's, or a function of (first, stop) giving the mask of those
-    queries (built per tile; off the CPU too, in tiles of TILE_ELEMENTS, so a
-    long call never holds its whole mask)."""
+    queries (built per tile)."""
     B, Hq, L, _ = q.shape
     S = keys.shape[2]
-    if mx.default_device() == mx.cpu:
-        budget = FUSED_TILE_ELEMENTS
-    else:
-        budget = TILE_ELEMENTS if callable(mask) else None
-    if budget is None or B * Hq * L * S <= budget:
+    if mx.default_device() != mx.cpu or B * Hq * L * S <= FUSED_TILE_ELEMENTS:
         m = mask(0, L) if callable(mask) else mask
         return mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=scale, mask=m
         )
     outs = []
-    for a, b in query_tiles(0, L, B * Hq * S, budget):
+    for a, b in query_tiles(0, L, B * Hq * S, FUSED_TILE_ELEMENTS):
         part = q[:, :, a:b] if not outs else mx.depends(q[:, :, a:b], outs[-1])
         k, v, m = keys, values, mask
         if isinstance(mask, str):  # "causal": the rows after the tile's last query go

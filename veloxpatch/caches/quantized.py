@@ -73,7 +73,8 @@ against exact ones (sinks, residual) and groups of wide steps against narrow
 ones. Rounding to a step s is close to uniform error, variance s^2 / 12 per
 coordinate, so attention subtracts sum_c q_c^2 s_c^2 / 24 from each quantized
 row's logit (`noise`, the steps already stored: one small matmul of squared
-queries by squared scales). The uniform model fits rotated rows, whose
+queries by squared scales; a dense read appends it as channels,
+`noise_channels`). The uniform model fits rotated rows, whose
 coordinates are near Gaussian; unrotated channels with outliers round
 unevenly. Scoring reads the logits undebiased.
 
@@ -352,18 +353,27 @@ class QuantizedRows:
         """p [B, H, M, T] . V -> [B, H, M, D]."""
         return self._qmm(p, self.vw, self.vs, self.vb)
 
+    def _half_variance(self) -> mx.array:
+        """s^2 / 24 of every key step (float32; `ks`'s layout): half the
+        variance of uniform rounding error on a step s (module doc, `debias`)."""
+        return self.ks.astype(mx.float32) ** 2 / 24.0
+
     def noise(self, q: mx.array) -> mx.array:
         """Half the expected variance of q . (k - k_hat) per row [B, H, M, T]
-        (float32): rounding to a step s is uniform error of variance s^2 / 12
-        per coordinate, so sum_c q_c^2 s_c^2 / 24 (module doc, `debias`)."""
-        q2 = q.astype(mx.float32) ** 2
-        s2 = self.ks.astype(mx.float32) ** 2 / 24.0
+        (float32), sum_c q_c^2 s_c^2 / 24."""
+        q2, s2 = q.astype(mx.float32) ** 2, self._half_variance()
         if self.keys == "token":  # s2 [B, H, T, D/group]: a step per channel group
             *lead, M, D = q2.shape
             q2 = q2.reshape(*lead, M, D // self.group, self.group).sum(-1)
             return q2 @ s2.swapaxes(-1, -2)
         # s2 [B, H, D, T/group]: a step per channel and group of rows
         return mx.repeat(q2 @ s2, self.group, axis=-1)
+
+    def noise_rows(self) -> mx.array:
+        """s_c^2 / 24 per row and channel [B, H, T, D] (float32): `noise` is
+        q^2 . noise_rows per row, so a dense read can carry it as channels."""
+        s2 = mx.repeat(self._half_variance(), self.group, axis=-1)
+        return s2 if self.keys == "token" else s2.swapaxes(-1, -2)
 
     def dequantize(self, dtype) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H, T, D] in `dtype` (computed, never stored):
@@ -602,6 +612,20 @@ class QuantizedStore:
             return out
         B, H, M = out.shape[:3]
         return mx.concatenate([mx.zeros((B, H, M, self.sink_rows)), out], axis=-1)
+
+    def noise_channels(self, q: mx.array) -> tuple[mx.array, mx.array]:
+        """`logit_bias` as D more channels for a dense read: (x [B, H, M, D],
+        y [B, H, rows, D]) with x . y = logit_bias(q) (y 0 for the sinks), so
+        that keys read with y appended attend queries with x appended as the
+        biased logits (float32)."""
+        if self.signs is not None:
+            q = self._queries_in(q)
+        x = q.astype(mx.float32) ** 2
+        y = -self._join([p.noise_rows() for p in self.parts])
+        if self.sink_rows:
+            B, H, _, D = y.shape
+            y = mx.concatenate([mx.zeros((B, H, self.sink_rows, D)), y], axis=2)
+        return x, y
 
     def weighted(self, p: mx.array) -> mx.array:
         s = self.sink_rows

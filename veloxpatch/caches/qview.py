@@ -126,48 +126,42 @@ class QuantizedView:
         residual = mx.zeros((*bias.shape[:3], self.keys.shape[2]))
         return mx.concatenate([bias, residual], axis=-1)
 
-    def _tile_bias(self, q: mx.array, scale: float, first: int, stop: int):
-        """`slot_bias` of queries first..stop of q [B, Hq, L, D], as
-        [B, Hq, stop - first, S] (rows in slot order)."""
-        B, Hq, _, D = q.shape
-        H = self.keys.shape[1]
-        rep, n = Hq // H, stop - first
-        qg = (q[:, :, first:stop] * scale).reshape(B, H, rep * n, D)
-        bias = self.slot_bias(qg)
-        return None if bias is None else bias.reshape(B, Hq, n, -1)
+    def _with_noise(self, q, keys, scale: float, per_row: bool):
+        """q [B, Hq, L, D] and keys [B, H, n, D] (per row, or per slot) with
+        the store's `noise_channels` appended, so that the fused kernel adds
+        `slot_bias` to the logits: scale (q_aug . k_aug) = scale q . k + the
+        bias of the scaled queries."""
+        B, Hq, L, D = q.shape
+        H = keys.shape[1]
+        qg = (q.astype(mx.float32) * scale).reshape(B, H, Hq // H * L, D)
+        x, y = self.store.noise_channels(qg)
+        y = mx.concatenate([y, mx.zeros((B, H, self.keys.shape[2], D))], axis=2)
+        if per_row and self.slot is not None:
+            y = mx.take_along_axis(y, self.slot[..., None], axis=2)
+        elif per_row:
+            y = y[:, :, : self.rows]
+        x = x.reshape(B, Hq, L, D) / scale
+        q = mx.concatenate([q, x.astype(q.dtype)], axis=-1)
+        return q, mx.concatenate([keys, y.astype(keys.dtype)], axis=-1)
 
     def _attend_dense(self, q: mx.array, scale: float) -> mx.array:
-        L = q.shape[2]
         debiased = self.debias and self.store is not None and self.store.parts[0].rows
-        if not self.padded and not debiased:
+        if not self.padded:
             # every earlier row precedes the call's first query and the call's
             # rows come last: over the rows (holes dropped) "causal" is exact
             keys, values = self.rows_dense()
+            if debiased:
+                q, keys = self._with_noise(q, keys, scale, per_row=True)
             return fused_attention(q, keys, values, scale, "causal")
-        if not self.padded:  # the same rows, the bias gathered into row order
-            keys, values = self.rows_dense()
-
-            def mask(first: int, stop: int) -> mx.array:
-                bias = self._tile_bias(q, scale, first, stop)
-                if self.slot is not None:
-                    idx = mx.repeat(self.slot, q.shape[1] // self.slot.shape[1], 1)
-                    bias = mx.take_along_axis(bias, idx[:, :, None, :], axis=-1)
-                last = self.rows - L + mx.arange(first, stop, dtype=mx.int32)
-                visible = mx.arange(self.rows, dtype=mx.int32) <= last[:, None]
-                return mx.where(visible, bias, -mx.inf).astype(q.dtype)
-
-            return fused_attention(q, keys, values, scale, mask)
         keys, values = self.dense()
+        if debiased:
+            q, keys = self._with_noise(q, keys, scale, per_row=False)
         rep = q.shape[1] // keys.shape[1]
 
         def mask(first: int, stop: int) -> mx.array:  # queries first..stop by position
             qpos = mx.arange(self.qstart + first, self.qstart + stop, dtype=mx.int32)
             visible = self.slot_pos[:, :, None, :] <= qpos[:, None]
-            visible = mx.repeat(visible, rep, axis=1) if rep > 1 else visible
-            bias = self._tile_bias(q, scale, first, stop) if debiased else None
-            if bias is None:
-                return visible
-            return mx.where(visible, bias, -mx.inf).astype(q.dtype)
+            return mx.repeat(visible, rep, axis=1) if rep > 1 else visible
 
         return fused_attention(q, keys, values, scale, mask)
 
