@@ -152,10 +152,12 @@ class QuantizedView:
             keys, values = self.rows_dense()
             if debiased:
                 q, keys = self._with_noise(q, keys, scale, per_row=True)
+            held_until_read(q, keys)
             return fused_attention(q, keys, values, scale, "causal")
         keys, values = self.dense()
         if debiased:
             q, keys = self._with_noise(q, keys, scale, per_row=False)
+        held_until_read(q, keys)
         rep = q.shape[1] // keys.shape[1]
 
         def mask(first: int, stop: int) -> mx.array:  # queries first..stop by position
@@ -184,6 +186,15 @@ class QuantizedView:
             s = s.reshape(B, H, rep * L, S)
         p = mx.softmax(s, axis=-1, precise=True)
         return self.weighted(p.astype(q.dtype)).reshape(B, Hq, L, D)
+
+
+def held_until_read(*arrays) -> None:
+    """On the CPU, evaluate the queries and a dense copy's keys before the tiles
+    read them: left lazy, each layer's copy (and what made it) stays alive until
+    the whole chunk is evaluated, a copy per layer at the peak (the values,
+    evaluated with them, raised it again: docs/results.md)."""
+    if mx.default_device() == mx.cpu:
+        mx.eval(*arrays)
 
 
 def reads_dense(rows: int, queries: int) -> bool:
