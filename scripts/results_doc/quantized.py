@@ -726,7 +726,7 @@ def _rotated_speed() -> list[str]:
 
 def _debias_prefill() -> list[str]:
     """A chunked prompt's later chunks read the quantized rows through the
-    dense copy, where `kv_debias` adds its bias as a mask built per tile."""
+    dense copy, where `kv_debias` adds its bias as D more channels."""
     if not (rm.RESULTS / "bench_debias_prefill.json").exists():
         return []
     res = load("bench_debias_prefill")
@@ -747,8 +747,9 @@ def _debias_prefill() -> list[str]:
         "The prefill with `kv_debias`: a prompt in chunks of "
         f"{cfg['prefill_step_size']} (`veloxpatch bench`, {cfg['contexts']} tokens, "
         f"{cfg['repeats']} interleaved repeats, medians), whose later chunks read "
-        "the quantized rows through the dense copy with the bias as an additive "
-        "mask built per tile:",
+        "the quantized rows through the dense copy, the bias carried as D more "
+        "channels of queries and keys (an additive mask per tile cost 0.92x "
+        "against 1.08x at commit f623471):",
         "",
         meta("bench_debias_prefill", res),
         "",
