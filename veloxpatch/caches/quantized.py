@@ -599,6 +599,14 @@ class QuantizedStore:
         out = self._join([p.logits(qh) for p, qh in zip(self.parts, self._split(q))])
         return out if sink is None else mx.concatenate([sink, out], axis=-1)
 
+    def _after_sinks(self, x: mx.array, axis: int) -> mx.array:
+        """x over the quantized rows (along `axis`) with 0 for the sinks ahead."""
+        if not self.sink_rows:
+            return x
+        shape = list(x.shape)
+        shape[axis] = self.sink_rows
+        return mx.concatenate([mx.zeros(shape), x], axis=axis)
+
     def logit_bias(self, q: mx.array) -> mx.array | None:
         """What `debias` adds to `logits(q)` [B, H, M, rows] (float32): minus
         each quantized row's `noise`, 0 for the sinks; None before any row
@@ -607,25 +615,20 @@ class QuantizedStore:
             return None
         if self.signs is not None:
             q = self._queries_in(q)
-        out = -self._join([p.noise(qh) for p, qh in zip(self.parts, self._split(q))])
-        if not self.sink_rows:
-            return out
-        B, H, M = out.shape[:3]
-        return mx.concatenate([mx.zeros((B, H, M, self.sink_rows)), out], axis=-1)
+        out = self._join([p.noise(qh) for p, qh in zip(self.parts, self._split(q))])
+        return self._after_sinks(-out, -1)
 
-    def noise_channels(self, q: mx.array) -> tuple[mx.array, mx.array]:
+    def noise_channels(self, q: mx.array) -> tuple[mx.array, mx.array] | None:
         """`logit_bias` as D more channels for a dense read: (x [B, H, M, D],
-        y [B, H, rows, D]) with x . y = logit_bias(q) (y 0 for the sinks), so
-        that keys read with y appended attend queries with x appended as the
-        biased logits (float32)."""
+        y [B, H, rows, D]) with x . y = logit_bias(q), so that keys read with y
+        appended attend queries with x appended as the biased logits (float32);
+        None before any row is quantized."""
+        if not self.parts[0].rows:
+            return None
         if self.signs is not None:
             q = self._queries_in(q)
-        x = q.astype(mx.float32) ** 2
-        y = -self._join([p.noise_rows() for p in self.parts])
-        if self.sink_rows:
-            B, H, _, D = y.shape
-            y = mx.concatenate([mx.zeros((B, H, self.sink_rows, D)), y], axis=2)
-        return x, y
+        y = self._join([p.noise_rows() for p in self.parts])
+        return q.astype(mx.float32) ** 2, self._after_sinks(-y, 2)
 
     def weighted(self, p: mx.array) -> mx.array:
         s = self.sink_rows

@@ -130,11 +130,16 @@ class QuantizedView:
         """q [B, Hq, L, D] and keys [B, H, n, D] (per row, or per slot) with
         the store's `noise_channels` appended, so that the fused kernel adds
         `slot_bias` to the logits: scale (q_aug . k_aug) = scale q . k + the
-        bias of the scaled queries."""
+        bias of the scaled queries (as they were without `debias`)."""
+        if not self.debias or self.store is None:
+            return q, keys
         B, Hq, L, D = q.shape
         H = keys.shape[1]
         qg = (q.astype(mx.float32) * scale).reshape(B, H, Hq // H * L, D)
-        x, y = self.store.noise_channels(qg)
+        channels = self.store.noise_channels(qg)
+        if channels is None:
+            return q, keys
+        x, y = channels
         y = mx.concatenate([y, mx.zeros((B, H, self.keys.shape[2], D))], axis=2)
         if per_row and self.slot is not None:
             y = mx.take_along_axis(y, self.slot[..., None], axis=2)
@@ -145,18 +150,15 @@ class QuantizedView:
         return q, mx.concatenate([keys, y.astype(keys.dtype)], axis=-1)
 
     def _attend_dense(self, q: mx.array, scale: float) -> mx.array:
-        debiased = self.debias and self.store is not None and self.store.parts[0].rows
         if not self.padded:
             # every earlier row precedes the call's first query and the call's
             # rows come last: over the rows (holes dropped) "causal" is exact
             keys, values = self.rows_dense()
-            if debiased:
-                q, keys = self._with_noise(q, keys, scale, per_row=True)
+            q, keys = self._with_noise(q, keys, scale, per_row=True)
             held_until_read(q, keys)
             return fused_attention(q, keys, values, scale, "causal")
         keys, values = self.dense()
-        if debiased:
-            q, keys = self._with_noise(q, keys, scale, per_row=False)
+        q, keys = self._with_noise(q, keys, scale, per_row=False)
         held_until_read(q, keys)
         rep = q.shape[1] // keys.shape[1]
 
