@@ -45,6 +45,8 @@ CONTRACT = {
 }
 QUANTIZED = dict(kv_bits=8, kv_residual=4)
 CHUNKED = dict(compress="chunks", chunk=8)
+# snapkv at 2 bits: 40 rows, so whole 32-row groups are quantized before eviction
+SNAPKV_KV2 = dict(budget=40, window=4, kv_bits=2, kv_residual=4)
 # quantized rows stored rotated (TurboQuant), at 8 and at 2 bits, and other grids
 ROTATED = [
     ("kivi", dict(CONTRACT["kivi"], kv_rotate="hadamard"), "kivi-rot"),
@@ -53,21 +55,12 @@ ROTATED = [
     ("kivi", dict(bits=2, residual=4, kv_rotate="query"), "kivi-query"),
     (
         "snapkv",
-        dict(budget=40, window=4, kv_bits=2, kv_residual=4, kv_rotate="query"),
+        dict(SNAPKV_KV2, kv_rotate="query"),
         "snapkv-kv2-query",
     ),
     (
         "snapkv",
-        # 40 rows: whole 32-row groups are quantized before eviction
-        dict(
-            budget=40,
-            window=4,
-            kv_bits=2,
-            kv_residual=4,
-            kv_rotate="hadamard",
-            kv_keys="token",
-            kv_scales="float16",
-        ),
+        dict(SNAPKV_KV2, kv_rotate="hadamard", kv_keys="token", kv_scales="float16"),
         "snapkv-kv2-token-rot",
     ),
     (
@@ -127,7 +120,7 @@ ROTATED = [
     ),
     (
         "snapkv",
-        dict(budget=40, window=4, kv_bits=2, kv_key_bits=3, kv_residual=4),
+        dict(SNAPKV_KV2, kv_key_bits=3),
         "snapkv-k3v2",
     ),
     # logits debiased by the keys' rounding variance, with and without eviction
@@ -138,20 +131,13 @@ ROTATED = [
     ),
     (
         "snapkv",
-        dict(
-            budget=40,
-            window=4,
-            kv_bits=2,
-            kv_residual=4,
-            kv_rotate="hadamard",
-            kv_debias=True,
-        ),
+        dict(SNAPKV_KV2, kv_rotate="hadamard", kv_debias=True),
         "snapkv-kv2-debias",
     ),
     # the rows not quantized held in fp16 (an evicting algorithm compacts them)
     (
         "snapkv",
-        dict(budget=40, window=4, kv_bits=2, kv_residual=4, kv_dense="float16"),
+        dict(SNAPKV_KV2, kv_dense="float16"),
         "snapkv-dense16",
     ),
 ]
