@@ -209,11 +209,11 @@ class BoundedPromptCache(LRUPromptCache):
             if found.shorter is None:
                 return None, tokens
             entry = self._trie.get(found.model, found.shorter)
-            cache = copy.deepcopy(entry.prompt_cache)
-        rest = tokens[len(found.shorter) :]
-        if not trimmed_exactly(cache, len(found.shorter), len(rest)):
-            return None, tokens
-        return cache, rest
+            rest = tokens[len(found.shorter) :]
+            # read, not trimmed: checked before it is worth a copy
+            if not trimmed_exactly(entry.prompt_cache, len(found.shorter), len(rest)):
+                return None, tokens
+            return copy.deepcopy(entry.prompt_cache), rest
 
     def trim_to(self, *, n_sequences=None, n_bytes=None):
         with self._lock:
