@@ -253,7 +253,9 @@ class QuantizedKV:
         new_k, new_v = keys[:, :, :new_tq], values[:, :, :new_tq]
         with self._first_scales():  # the first group may be formed here
             self.store.rebuild(new_k, new_v, exact, gid // g, src[..., :new_tq])
-        self.keys, self.values = keys[:, :, new_tq:], values[:, :, new_tq:]
+        # copied out: a slice would keep every row's dequantized copy alive
+        self.keys = mx.contiguous(keys[:, :, new_tq:])
+        self.values = mx.contiguous(values[:, :, new_tq:])
         self.slot = None
         if tq:
             rest = mx.argsort(order, axis=-1).astype(mx.int32) + s
