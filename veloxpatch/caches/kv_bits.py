@@ -357,8 +357,10 @@ class QuantizedKV:
         call: a sink alone sets none, and a later group must read newer sums)."""
         if self.query_power is not None:
             self.store.query_power = self.query_power / self.query_count
-        yield
-        self.store.query_power = None
+        try:
+            yield
+        finally:  # never left for a later group to read
+            self.store.query_power = None
         if self._scaled and self.query_count:  # the scales were set just now
             # from every query so far: a trim cannot take those back
             self.irreversible_at = max(self.irreversible_at or 0, self.offset)
