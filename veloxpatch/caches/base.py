@@ -235,6 +235,9 @@ class VeloxCache(RowStorage):
             self.decode_from = self.offset
             if self.keys is not None:
                 self.end_prompt()
+                # evaluated here: lazily, every layer's compression would hold
+                # what it read (all its rows, dequantized copies) to the step's end
+                mx.eval(self.held_arrays())
             if snap and not first:
                 self.take_snapshot(pending=False)
 
