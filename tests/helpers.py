@@ -1,6 +1,9 @@
-"""Shared test helpers: run mlx-lm's own generation loop and collect logprobs."""
+"""Shared test helpers: run mlx-lm's own generation loop and collect logprobs;
+mlx's peak memory in the steps after a prompt."""
 
 from __future__ import annotations
+
+import gc
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -24,3 +27,31 @@ def greedy(model, prompt, n: int = 16, prefill_step_size: int = 7, prompt_cache=
 
 def max_abs(a: mx.array, b: mx.array) -> float:
     return mx.abs(a - b).max().item()
+
+
+def step_peak(layers: int, algo: str, opts: dict, steps: int = 1) -> int:
+    """mlx's largest peak above what was held, over the `steps` decode calls
+    after a 1,200-token prompt (prefill chunks of 256, then its last token
+    alone, as mlx-lm sends them) on a tiny llama of `layers` layers."""
+    from tiny import prompt_tokens, tiny_model
+
+    import veloxpatch
+
+    model = tiny_model("llama", head_dim=32, num_hidden_layers=layers)
+    ids = prompt_tokens(1200)[None]
+    worst = 0
+    with veloxpatch.patched(model, algo, **opts) as patch:
+        caches = patch.make_cache()
+        for start in range(0, 1199, 256):
+            model(ids[:, start : min(start + 256, 1199)], cache=caches)
+            mx.eval([c.state for c in caches])
+        y = model(ids[:, 1199:], cache=caches)[:, -1:].argmax(-1)
+        for _ in range(steps):
+            mx.eval(y, [c.state for c in caches])
+            gc.collect()
+            mx.reset_peak_memory()
+            before = mx.get_active_memory()
+            y = model(y, cache=caches)[:, -1:].argmax(-1)
+            mx.eval(y, [c.state for c in caches])
+            worst = max(worst, mx.get_peak_memory() - before)
+    return worst

@@ -4,12 +4,10 @@ chunks; the algorithms that evict every call hold budget + the caller's chunk.
 Tiny models; the masked-dense oracle and the rest of the contract run over the
 chunked variants in test_contract.py."""
 
-import gc
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import greedy
+from helpers import greedy, step_peak
 from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
@@ -173,32 +171,13 @@ def test_max_kv_bytes_bounds_the_peak_in_chunked_mode():
     assert max(peaks["chunks"]) <= limit < max(peaks["prompt_end"])
 
 
-def prompt_end_peak(layers: int, opts: dict) -> int:
-    """mlx's peak above what was held, in the call after a 1,200-token prompt
-    (prefill chunks of 256, then its last token alone, as mlx-lm sends it)."""
-    model = tiny_model("llama", head_dim=32, num_hidden_layers=layers)
-    ids = prompt_tokens(1200)[None]
-    with veloxpatch.patched(model, "snapkv", **opts) as patch:
-        caches = patch.make_cache()
-        for start in range(0, 1199, 256):
-            model(ids[:, start : min(start + 256, 1199)], cache=caches)
-            mx.eval([c.state for c in caches])
-        mx.eval(model(ids[:, 1199:], cache=caches))
-        gc.collect()
-        mx.reset_peak_memory()
-        before = mx.get_active_memory()
-        mx.eval(model(ids[:, :1], cache=caches))
-        assert all(c.rows == c.row_budget() + 1 for c in caches)  # it compressed
-        return mx.get_peak_memory() - before
-
-
 def test_the_prompt_end_compresses_one_layer_at_a_time():
     """Quantized rows wait for the prompt's end, then are cut and regrouped:
     each layer's compression is evaluated before the next layer's, so the
     step's peak does not grow with the layers (lazily, every layer held its
     reads, all its rows dequantized, at once: 3.5-4.6x at 16 layers)."""
     opts = dict(budget=200, window=4, kv_bits=2, kv_residual=4)
-    assert prompt_end_peak(16, opts) < 2 * prompt_end_peak(2, opts)
+    assert step_peak(16, "snapkv", opts) < 2 * step_peak(2, "snapkv", opts)
 
 
 def test_the_server_keeps_nothing_of_a_chunked_prompt_and_reserves_its_bound():
