@@ -86,11 +86,13 @@ def later_rows() -> list[list[str]]:
         arms = ("snapkv_chunks", "snapkv_chunks_kv4", "unpatched")
         if all(a in got for a in arms):
             c, q, u = (got[a] for a in arms)
+            two = got.get("snapkv_chunks_kv2_hadamard")
             ours.append(
                 f"{c['prompt_tokens']:,} tokens at `--max-kv-bytes "
                 f"{lq['config']['max_kv_bytes']}` (chunks of "
                 f"{lq['config']['prefill_step']:,}): {c['peak_bytes'] / 1e6:.0f} MB, "
                 f"`kv_bits=4` (more rows, 4-bit) {q['peak_bytes'] / 1e6:.0f} MB"
+                + (f", rotated 2-bit {two['peak_bytes'] / 1e6:.0f} MB" if two else "")
             )
             theirs.append(f"{u['peak_bytes'] / 1e6:.0f} MB")
     if ours:

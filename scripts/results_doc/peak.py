@@ -273,12 +273,31 @@ def attention_tiles() -> list[str]:
     ]
 
 
+# earlier runs of the same command, newest first, and what changed since each
+LONG_PROMPT_KV_BITS_BEFORE = {
+    "10dd4e9": (
+        "Before the rows kept by a compression were copied out of what it read "
+        "(`b55e6d9`) and each layer's prompt-end compression was evaluated as it "
+        "ran (`98215fa`), the residual left by regrouping quantized rows was a "
+        "slice of all of them dequantized, which kept that copy alive between "
+        "calls, and at the prompt's end every layer's regrouping was held at once. "
+        "The same command; `unpatched` as above."
+    ),
+    "81dd46d": (
+        "Before the CPU's fused attention ran in tiles, the quantized rows' "
+        "prompt chunks were read through an [L, slots] mask, many query rows "
+        "went through mlx's quantized kernels and a cut during the prompt was "
+        "evaluated only at the caller's step end. The same command (the "
+        "uncommitted change is the newer `scripts/long_prompt.py`, for its "
+        "arms); `unpatched` as above."
+    ),
+}
+
+
 def long_prompt() -> list[str]:
-    return [
-        *_long_prompt("long_prompt"),
-        *_long_prompt("long_prompt_kv_bits"),
-        *_long_prompt("long_prompt_kv_bits_81dd46d"),
-    ]
+    before = [f"long_prompt_kv_bits_{c}" for c in LONG_PROMPT_KV_BITS_BEFORE]
+    names = ["long_prompt", "long_prompt_kv_bits", *before]
+    return [line for name in names for line in _long_prompt(name)]
 
 
 def _long_prompt(name: str) -> list[str]:
@@ -311,15 +330,7 @@ def _long_prompt(name: str) -> list[str]:
         ]
     elif name.startswith("long_prompt_kv_bits_"):
         title = f"### The same at commit `{res['run']['git_commit']}`"
-        quantized = [
-            "Before the CPU's fused attention ran in tiles, the quantized rows' "
-            "prompt chunks were read through an [L, slots] mask, many query rows "
-            "went through mlx's quantized kernels and a cut during the prompt was "
-            "evaluated only at the caller's step end. The same command (the "
-            "uncommitted change is the newer `scripts/long_prompt.py`, for its "
-            "arms); `unpatched` as above.",
-            "",
-        ]
+        quantized = [LONG_PROMPT_KV_BITS_BEFORE[name.rsplit("_", 1)[1]], ""]
     return [
         title,
         "",
