@@ -1,11 +1,14 @@
 """`max_kv_bytes`: budgets priced in bytes (caches/kv_budget.py)."""
 
+import re
+
 import mlx.core as mx
 import pytest
 from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
 
 import veloxpatch
-from veloxpatch.caches.kv_budget import parse_size
+from model_adapters import adapter_for
+from veloxpatch.caches.kv_budget import bound_bytes, parse_size
 from veloxpatch.errors import OptionError, UnsupportedCacheOperation
 
 # tiny llama, head dim 32, float32: 3 layers x 2 KV heads (4 query heads)
@@ -196,6 +199,28 @@ def test_bad_budgets_are_clear_errors_that_change_nothing(opts, match):
         veloxpatch.apply(model, "snapkv", **opts)
     assert "\n" not in str(e.value)
     assert veloxpatch.api.patch_of(model) is None
+
+
+def test_a_chunk_too_large_for_the_bytes_is_refused_with_one_that_fits():
+    """compress="chunks" holds budget + one chunk: where the chunk alone takes
+    the bytes, the error names the largest halved chunk that buys a budget,
+    and that budget is what the options then get."""
+    model = tiny_model("llama", head_dim=32)
+    dims = adapter_for(model).dims(model)
+    chunked = dict(window=4, compress="chunks")
+    with veloxpatch.patched(model, "snapkv", budget=40, chunk=16, **chunked) as p:
+        limit = int(bound_bytes(p.options, dims, 4, 40))
+    with pytest.raises(OptionError, match="besides one chunk") as e:
+        veloxpatch.apply(model, "snapkv", max_kv_bytes=limit, chunk=64, **chunked)
+    assert "\n" not in str(e.value) and veloxpatch.api.patch_of(model) is None
+    chunk, rows = map(
+        int, re.search(r"with chunk=(\d+) it buys (\d+) rows", str(e.value)).groups()
+    )
+    assert chunk == 32
+    with veloxpatch.patched(
+        model, "snapkv", max_kv_bytes=limit, chunk=chunk, **chunked
+    ) as p:
+        assert p.options.budget == rows > 4
 
 
 def test_algorithms_without_a_budget_refuse_max_kv_bytes():

@@ -220,24 +220,55 @@ class EvictionOptions(CacheOptions):
 
     def _priced(self, model, dims):
         """These options with the budget `max_kv_bytes` buys on this model."""
-        from .kv_budget import budget_for_bytes, kv_dtype_size, parse_size
+        from .kv_budget import parse_size
 
         algo, given = getattr(self, "given", ("options", self.as_dict()))
         limit = parse_size(self.max_kv_bytes)
-        budget = budget_for_bytes(self, dims, kv_dtype_size(model), limit)
-        try:
-            opts = type(self).create(
-                algo, {**given, "budget": budget, "max_kv_bytes": None}
-            )
-            opts.bytes_limit = limit  # what the budget was bought with
-        except OptionError as e:
+        budget, opts = _bought(type(self), algo, given, model, dims, limit)
+        if isinstance(opts, OptionError):
             chunk = self.prompt_chunk()
-            held = f" besides one chunk ({chunk} rows: lower chunk)" if chunk else ""
+            held = f" besides one chunk ({chunk} rows)" if chunk else ""
             raise OptionError(
                 f"max_kv_bytes={self.max_kv_bytes!r} buys {budget} rows per layer "
-                f"and KV head on this model{held}, too few: {e}"
-            ) from None
+                f"and KV head on this model{held}, too few: {opts}"
+                + (
+                    _smaller_chunk(type(self), algo, given, model, dims, limit)
+                    if chunk
+                    else ""
+                )
+            )
+        opts.bytes_limit = limit  # what the budget was bought with
         return opts.bind(model, dims)
+
+
+def _bought(cls, algo, given: dict, model, dims, limit: int):
+    """(the budget `limit` bytes buy with options `given`, those options with
+    it or the OptionError they raise)."""
+    from .kv_budget import budget_for_bytes, kv_dtype_size
+
+    try:
+        priced = cls.create(algo, given)
+        budget = budget_for_bytes(priced, dims, kv_dtype_size(model), limit)
+    except OptionError as e:
+        return 0, e
+    try:
+        return budget, cls.create(
+            algo, {**given, "budget": budget, "max_kv_bytes": None}
+        )
+    except OptionError as e:
+        return budget, e
+
+
+def _smaller_chunk(cls, algo, given: dict, model, dims, limit: int) -> str:
+    """The largest chunk, halving the given one, under which `limit` buys a
+    valid budget, said as advice ("" if none does)."""
+    chunk = cls.create(algo, given).prompt_chunk() // 2
+    while chunk >= 1:
+        budget, opts = _bought(cls, algo, {**given, "chunk": chunk}, model, dims, limit)
+        if not isinstance(opts, OptionError):
+            return f"; with chunk={chunk} it buys {budget} rows"
+        chunk //= 2
+    return ""
 
 
 def head_budgets(scores: mx.array, prefix: int, alpha: float) -> mx.array:
