@@ -312,9 +312,9 @@ def test_a_trim_of_quantized_rows_trims_their_side_state(algo):
 
 def test_a_compaction_while_decoding_is_one_layer_at_a_time():
     """streaming_llm evicts a row a step in every layer, so every layer
-    compacts its holes in the same step: each compaction is evaluated before
-    the next layer's, so the step's peak does not grow with the layers
-    (lazily, every layer held all its rows dequantized at once: 2.4x at 16)."""
+    compacts its holes in the same step: each compaction is evaluated when it
+    runs, so the step's peak does not grow with the layers (left lazy, every
+    layer held all its rows dequantized at once: 2.8x at 16 layers)."""
     opts = dict(budget=200, kv_bits=2, kv_residual=4)
-    worst = [step_peak(n, "streaming_llm", opts, steps=60) for n in (2, 16)]
-    assert worst[1] < 2 * worst[0]
+    worst = [step_peak(n, "streaming_llm", opts, steps=60) for n in (2, 32)]
+    assert worst[1] < 3 * worst[0]

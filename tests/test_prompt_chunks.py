@@ -172,12 +172,12 @@ def test_max_kv_bytes_bounds_the_peak_in_chunked_mode():
 
 
 def test_the_prompt_end_compresses_one_layer_at_a_time():
-    """Quantized rows wait for the prompt's end, then are cut and regrouped:
-    each layer's compression is evaluated before the next layer's, so the
-    step's peak does not grow with the layers (lazily, every layer held its
-    reads, all its rows dequantized, at once: 3.5-4.6x at 16 layers)."""
+    """Quantized rows wait for the prompt's end, then are cut and quantized:
+    each layer's compression is evaluated when it runs, so the step's peak
+    does not grow with the layers (left lazy, every layer's compression and
+    what it read were held at once until the next step: 3.7x at 16 layers)."""
     opts = dict(budget=200, window=4, kv_bits=2, kv_residual=4)
-    assert step_peak(16, "snapkv", opts) < 2 * step_peak(2, "snapkv", opts)
+    assert step_peak(32, "snapkv", opts) < 3 * step_peak(2, "snapkv", opts)
 
 
 def test_the_server_keeps_nothing_of_a_chunked_prompt_and_reserves_its_bound():
