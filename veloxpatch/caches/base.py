@@ -171,9 +171,7 @@ class VeloxCache(RowStorage):
             )
             if cut is not None:
                 self.chunk_done()
-                # evaluated at the cut: lazily, every layer's cut would hold what
-                # it read (the rows before it, dequantized copies) to the step's end
-                mx.eval(self.held_arrays())
+                self.evaluate_rewrite()
             start = end
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
@@ -219,6 +217,13 @@ class VeloxCache(RowStorage):
     def chunk_done(self) -> None:
         """The prompt reached the position `next_cut` gave."""
 
+    def evaluate_rewrite(self) -> None:
+        """Evaluate what the cache holds right after it rewrote it (a cut, the
+        prompt's end, a compaction): every layer rewrites in the same step, and
+        left lazy each would hold what it read (all its rows, dequantized
+        copies) until the step's end, every layer's at the peak."""
+        mx.eval(self.held_arrays())
+
     @property
     def in_prompt(self) -> bool:
         return self.phase.in_prompt
@@ -235,9 +240,7 @@ class VeloxCache(RowStorage):
             self.decode_from = self.offset
             if self.keys is not None:
                 self.end_prompt()
-                # evaluated here: lazily, every layer's compression would hold
-                # what it read (all its rows, dequantized copies) to the step's end
-                mx.eval(self.held_arrays())
+                self.evaluate_rewrite()
             if snap and not first:
                 self.take_snapshot(pending=False)
 

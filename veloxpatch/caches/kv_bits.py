@@ -329,9 +329,7 @@ class QuantizedKV:
             o.kv_group, self.rows // HOLE_SHARE
         ):
             self._compact()
-            # evaluated now: every layer compacts in the same step, and lazily
-            # each would hold all its rows dequantized until the step's end
-            mx.eval(self.held_arrays())
+            self.evaluate_rewrite()
         if self.store is None:
             if self.keys is None:
                 return
