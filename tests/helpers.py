@@ -7,6 +7,9 @@ import gc
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
 
 
 def greedy(model, prompt, n: int = 16, prefill_step_size: int = 7, prompt_cache=None):
@@ -36,9 +39,7 @@ def step_peak(layers: int, algo: str, opts: dict, steps: int = 1) -> int:
     evaluated after each, the last token alone, then each step's token alone,
     evaluating only the token (what a call changes in a cache is evaluated by
     the call that reads it, unless the cache evaluates it itself)."""
-    from tiny import prompt_tokens, tiny_model
 
-    import veloxpatch
 
     model = tiny_model("llama", head_dim=32, num_hidden_layers=layers)
     ids = prompt_tokens(1200)[None]

@@ -231,11 +231,7 @@ class EvictionOptions(CacheOptions):
             raise OptionError(
                 f"max_kv_bytes={self.max_kv_bytes!r} buys {budget} rows per layer "
                 f"and KV head on this model{held}, too few: {opts}"
-                + (
-                    _smaller_chunk(type(self), algo, given, model, dims, limit)
-                    if chunk
-                    else ""
-                )
+                + _smaller_chunk(type(self), algo, given, model, dims, limit, chunk)
             )
         opts.bytes_limit = limit  # what the budget was bought with
         return opts.bind(model, dims)
@@ -259,10 +255,10 @@ def _bought(cls, algo, given: dict, model, dims, limit: int):
         return budget, e
 
 
-def _smaller_chunk(cls, algo, given: dict, model, dims, limit: int) -> str:
-    """The largest chunk, halving the given one, under which `limit` buys a
-    valid budget, said as advice ("" if none does)."""
-    chunk = cls.create(algo, given).prompt_chunk() // 2
+def _smaller_chunk(cls, algo, given: dict, model, dims, limit: int, chunk) -> str:
+    """The largest chunk, halving `chunk` (None: no prompt chunk), under which
+    `limit` buys a valid budget, said as advice ("" if none does)."""
+    chunk = (chunk or 0) // 2
     while chunk >= 1:
         budget, opts = _bought(cls, algo, {**given, "chunk": chunk}, model, dims, limit)
         if not isinstance(opts, OptionError):
