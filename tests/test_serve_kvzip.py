@@ -60,3 +60,25 @@ def _full(log: str) -> list[str]:
         for ln in log.splitlines()
         if "would hold" in ln
     ]
+
+
+@smollm
+def test_users_sharing_a_system_prompt_read_it_once():
+    """kvzip is served one request at a time, where mlx-lm keeps only a
+    request's end, compressed past the system prompt: the server keeps the
+    system prompt's own entry, so the next user starts from it. Its usage
+    counts it as cached only for the users who did not read it."""
+    args = ["--algo", "kvzip", "--budget", "48", "--max-tokens", "16"]
+    system = {"role": "system", "content": "Answer from these notes. " + FACTS}
+    with running_server(*args, limit_s=240) as srv:
+        asks = ["What is the capital of France?", "When is lunch served?"]
+        replies = [ask(srv, [system, {"role": "user", "content": q}]) for q in asks]
+        log = srv.log.read_text()
+    kept = [ln for ln in log.splitlines() if "the system prompt's" in ln]
+    assert len(kept) == 1, kept  # read once, by the first user
+    n = int(kept[0].split("the system prompt's ")[1].split(" ")[0])
+    assert n > 100
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
+    assert cached == [0, n]
+    assert "Paris" in replies[0]["choices"][0]["message"]["content"]
+    assert "noon" in replies[1]["choices"][0]["message"]["content"]

@@ -280,3 +280,66 @@ def test_users_sharing_a_system_prompt_reuse_it_after_another_users_request(algo
     assert after[2] == len(system)
     assert after[0] == alone[0]
     np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
+
+
+def serve_one_at_a_time(model, store, system, ask, step=16):
+    """`serve` as the server runs a request one at a time: the system
+    prompt's entry kept first (`keep_system`), the request from there."""
+    store.keep_system(model, KEY, system + ask, len(system), step)
+    return serve(model, store, system + ask)
+
+
+ONE_AT_A_TIME = [
+    ("kvzip", dict(budget=40)),
+    ("kivi", dict(bits=2, group=32, residual=8)),
+    ("snapkv", dict(budget=24, window=8)),
+]
+
+
+@pytest.mark.parametrize("algo,opts", ONE_AT_A_TIME)
+def test_requests_served_one_at_a_time_keep_the_system_prompt(algo, opts, monkeypatch):
+    """mlx-lm's one-at-a-time path inserts only a request's end, which kvzip's
+    compression (or a quantized group) cannot be trimmed back to: the system
+    prompt's own entry, read once, lets the next user start from it, with
+    what that user gets alone (snapkv's end entry is trimmed back to it)."""
+    from test_kvzip import TOK
+
+    from veloxpatch.serve import kv
+
+    reads = []
+    pieces = kv.prompt_pieces
+    monkeypatch.setattr(kv, "prompt_pieces", lambda *a: reads.append(a) or pieces(*a))
+
+    model = tiny_model("llama", head_dim=32)
+    system = prompt_tokens(60, seed=21).tolist()
+    with veloxpatch.patched(model, algo, tokenizer=TOK, **opts) as patch:
+        patch.keep_snapshots = True
+        alone = serve_one_at_a_time(model, BoundedPromptCache(), system, ASK_B)
+        store = BoundedPromptCache()
+        reads.clear()
+        assert serve_one_at_a_time(model, store, system, ASK_A)[2] == len(system)
+        after = serve_one_at_a_time(model, store, system, ASK_B)
+    assert len(reads) == 1  # the system prompt read once, for the first user
+    assert after[2] >= len(system)
+    assert after[0] == alone[0]
+    np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
+
+
+@pytest.mark.parametrize("algo,opts", ONE_AT_A_TIME[:2])
+def test_the_system_prompt_is_never_read_in_a_lone_token(algo, opts):
+    """Calls of 59 would leave the system prompt's 60th token alone, where the
+    phase must guess whether the prompt ended (and kivi quantizes after every
+    call): it joins the call before it, so the entry is the one a single call
+    of 60 leaves."""
+    from test_kvzip import TOK
+
+    model = tiny_model("llama", head_dim=32)
+    system = prompt_tokens(60, seed=21).tolist()
+    with veloxpatch.patched(model, algo, tokenizer=TOK, **opts) as patch:
+        patch.keep_snapshots = True
+        runs = [
+            serve_one_at_a_time(model, BoundedPromptCache(), system, ASK_B, step)
+            for step in (60, 59)
+        ]
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_allclose(np.array(runs[1][1]), np.array(runs[0][1]), atol=2e-4)

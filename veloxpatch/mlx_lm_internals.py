@@ -381,7 +381,9 @@ INTERNALS = (
     Internal(
         "mlx_lm.server:ResponseGenerator._serve_single",
         "unbatched requests: stream_generate on our caches, inserted into our "
-        "prompt cache (serve/kv.py)",
+        "prompt cache (serve/kv.py); request[0] is the queue it puts the "
+        "context on, then sets ctx.prompt_cache_count from its fetch, then "
+        "puts more (serve/server.py ReadForTheRequest)",
         source_sha256=(
             "90f0dd09755378d410204824d6fa28b7073c8ba005d5087e8e7617a0979f0006"
         ),

@@ -28,10 +28,12 @@ import copy
 import logging
 import threading
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     LRUPromptCache,
     PromptTrie,
     can_trim_prompt_cache,
+    make_prompt_cache,
     trim_prompt_cache,
 )
 
@@ -176,8 +178,12 @@ class BoundedPromptCache(LRUPromptCache):
         self._trie = KeepingPromptTrie()
         self._lock = threading.RLock()
         self.ledger: KVLedger | None = None
+        self._handed = None  # keep_system's fetch, for the request it ran for
 
     def fetch_nearest_cache(self, model, tokens):
+        handed, self._handed = self._handed, None
+        if handed is not None and handed[:2] == (model, list(tokens)):
+            return handed[2:]  # fetched (and read on) by keep_system
         with self._lock:
             cache, rest = super().fetch_nearest_cache(model, tokens)
         if cache is not None and not rest and tokens:
@@ -215,6 +221,32 @@ class BoundedPromptCache(LRUPromptCache):
                 return None, tokens
             return copy.deepcopy(entry.prompt_cache), rest
 
+    def keep_system(self, model, key, prompt, system_end, prefill_step) -> int:
+        """Before a request served one at a time: fetch its nearest entry and,
+        if that starts before the end of its system prompt (`system_end`
+        tokens), read up to there and insert a copy as a "system" entry, as
+        mlx-lm's batched path does while it reads a prompt. Its one-at-a-time
+        path only inserts the request's end, which a cache compressed as its
+        prompt ended (kvzip) cannot be trimmed back to: every user of the same
+        system prompt would read it again. The request's own fetch gets what
+        was fetched and read here (no second copy). Returns the tokens read."""
+        cache, rest = self.fetch_nearest_cache(key, prompt)
+        start = len(prompt) - len(rest)
+        read = 0
+        if system_end - start >= 2:  # one token left would be a lone call
+            if cache is None:
+                cache = make_prompt_cache(model)
+            for piece in prompt_pieces(prompt[start:system_end], prefill_step):
+                model(mx.array(piece)[None], cache=cache)
+                mx.eval([c.state for c in cache])  # as generate_step's prefill
+            log.info("prompt cache: the system prompt's %d tokens kept", system_end)
+            system = list(prompt[:system_end])
+            self.insert_cache(key, system, copy.deepcopy(cache), cache_type="system")
+            rest = prompt[system_end:]
+            read = system_end - start
+        self._handed = (key, list(prompt), cache, rest)
+        return read
+
     def trim_to(self, *, n_sequences=None, n_bytes=None):
         with self._lock:
             super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
@@ -242,6 +274,16 @@ class BoundedPromptCache(LRUPromptCache):
             room = self.ledger.prompt_cache_room() if self.ledger else None
             if room is not None and self.nbytes > room:
                 self.trim_to(n_bytes=room)
+
+
+def prompt_pieces(tokens: list[int], step: int) -> list[list[int]]:
+    """`tokens` in prefill calls of `step`, none of one token: after prompt
+    calls a lone token is where the phase must guess whether the prompt ended
+    (caches/phase.py); the entry is then kept in no such doubt."""
+    pieces = [tokens[i : i + step] for i in range(0, len(tokens), step)]
+    if len(pieces) > 1 and len(pieces[-1]) == 1:
+        pieces[-2:] = [pieces[-2] + pieces[-1]]
+    return pieces
 
 
 def trimmed_exactly(caches, shared: int, coming: int | None = None) -> bool:

@@ -3,6 +3,8 @@
 - `PatchedModelProvider` loads the one model, patches it, and says whether its
   caches can batch; mlx-lm's provider would load any model a request names,
   unpatched, so every other name is refused here.
+- `Generator` (mlx-lm's generation thread) keeps a system prompt's
+  prompt-cache entry for requests served one at a time too (`kv`).
 - `Handler` (mlx-lm's APIHandler) refuses other models, adapters and draft
   models, checks every field and the prompt's length (`checks`), reserves
   each request's KV bytes before queueing it (`kv`), and stops a request whose
@@ -20,7 +22,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-from mlx_lm.server import APIHandler, ModelProvider
+from mlx_lm.server import APIHandler, GenerationContext, ModelProvider
 
 from ..mlx_lm_internals import run_http_server, tokenize_request
 from .checks import BadRequest, check_body, check_length, model_limits
@@ -275,6 +277,61 @@ class Handler(APIHandler):
         self.wfile.flush()
 
 
+class Generator(CuttableGenerator):
+    """mlx-lm's generation thread, its requests cuttable (`cuts`), whose
+    one-at-a-time requests keep their system prompt's prompt-cache entry as
+    its batches do (`kv.BoundedPromptCache.keep_system`)."""
+
+    def _serve_single(self, request, stream):
+        queue, body, args = request
+        try:
+            read = self._keep_system(body, args)
+        except Exception:  # the request goes on and reads its system prompt itself
+            log.exception("the system prompt's prompt-cache entry was not kept")
+            read = 0
+        if read:
+            queue = ReadForTheRequest(queue, read)
+        super()._serve_single((queue, body, args), stream)
+
+    def _keep_system(self, body, args) -> int:
+        provider = self.model_provider
+        # on a copy: mlx-lm rewrites message contents in place
+        tokenized = tokenize_request(
+            self, provider.tokenizer, copy.deepcopy(body), args
+        )
+        prompt, segments, kinds, _, vision = tokenized
+        if vision is not None or len(kinds) < 2 or kinds[0] != "system":
+            return 0
+        return self.prompt_cache.keep_system(
+            provider.model,
+            provider.model_key,
+            prompt,
+            len(segments[0]),
+            self.cli_args.prefill_step_size,
+        )
+
+
+class ReadForTheRequest:
+    """A request's queue, for a request whose system prompt `keep_system` read:
+    mlx-lm counts what its fetch returned as cached prompt tokens (usage's
+    cached_tokens); the `read` tokens were not. mlx-lm queues the context before
+    it sets that count, and queues more (progress, tokens, the end) after."""
+
+    def __init__(self, queue, read: int):
+        self.queue, self.read, self.ctx = queue, read, None
+
+    def put(self, item, *args, **kwargs):
+        if self.ctx is not None and self.read:
+            self.ctx.prompt_cache_count -= self.read
+            self.read = 0
+        if isinstance(item, GenerationContext):
+            self.ctx = item
+        self.queue.put(item, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+
 class ServeState(SimpleNamespace):
     """What every request thread shares: provider, generator, estimate, ledger."""
 
@@ -296,7 +353,7 @@ def run(cli_args, model, algo, options, *, max_kv_bytes=None, quantized=None):
         tokenizer_lock=threading.Lock(),
         limits=model_limits(provider.model),
     )
-    state.generator = CuttableGenerator(provider, prompt_cache)
+    state.generator = Generator(provider, prompt_cache)
     log.info(
         "serving %s patched with %s %s; KV cap %s",
         provider.served_name(),
