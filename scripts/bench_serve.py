@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,13 @@ def serve_unpatched(port: int) -> None:
 
 
 def start(arm: str, port: int, log_path: Path) -> subprocess.Popen:
+    # a server left on the port would answer the health check for this one
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        pass
+    else:
+        raise RuntimeError(f"port {port} is already in use: stop what listens there")
     if ARMS[arm] is None:
         cmd = [sys.executable, __file__, "--serve-unpatched", str(port)]
     else:

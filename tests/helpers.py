@@ -40,7 +40,6 @@ def step_peak(layers: int, algo: str, opts: dict, steps: int = 1) -> int:
     evaluating only the token (what a call changes in a cache is evaluated by
     the call that reads it, unless the cache evaluates it itself)."""
 
-
     model = tiny_model("llama", head_dim=32, num_hidden_layers=layers)
     ids = prompt_tokens(1200)[None]
     worst = 0

@@ -183,6 +183,10 @@ BEFORE_LOAD = [
     ("serve --draft m", "unrecognized arguments: --draft m"),
     ("serve --port notaport", "argument --port: invalid int value: 'notaport'"),
     ("serve --no-such-flag 3", "unrecognized arguments: --no-such-flag 3"),
+    (
+        "serve --algo snapkv --compress-system-prompt",
+        "--compress-system-prompt: snapkv has no question-agnostic pass",
+    ),
 ]
 
 

@@ -82,3 +82,23 @@ def test_users_sharing_a_system_prompt_read_it_once():
     assert cached == [0, n]
     assert "Paris" in replies[0]["choices"][0]["message"]["content"]
     assert "noon" in replies[1]["choices"][0]["message"]["content"]
+
+
+@smollm
+def test_a_system_prompt_compressed_alone_serves_later_users_without_a_pass():
+    """`--compress-system-prompt`: the first user's request reads and compresses
+    the system prompt alone (question-agnostic); the next user's question is
+    read on that entry."""
+    args = ["--algo", "kvzip", "--budget", "128", "--max-tokens", "16"]
+    system = {"role": "system", "content": "Answer from these notes. " + FACTS}
+    with running_server(*args, "--compress-system-prompt", limit_s=240) as srv:
+        asks = ["What is the capital of France?", "Which city is the capital?"]
+        replies = [ask(srv, [system, {"role": "user", "content": q}]) for q in asks]
+        log = srv.log.read_text()
+    kept = [ln for ln in log.splitlines() if "the system prompt's" in ln]
+    assert len(kept) == 1 and kept[0].endswith("kept, compressed"), kept
+    n = int(kept[0].split("the system prompt's ")[1].split(" ")[0])
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
+    assert cached == [0, n]
+    for r in replies:
+        assert "Paris" in r["choices"][0]["message"]["content"]

@@ -343,3 +343,45 @@ def test_the_system_prompt_is_never_read_in_a_lone_token(algo, opts):
         ]
     assert runs[0][0] == runs[1][0]
     np.testing.assert_allclose(np.array(runs[1][1]), np.array(runs[0][1]), atol=2e-4)
+
+
+def test_a_system_prompt_compressed_alone_is_compressed_once_for_every_user(
+    monkeypatch,
+):
+    """`--compress-system-prompt`: the entry is the system prompt read alone and
+    compressed by kvzip's reconstruction pass, once; each user's question is
+    read on it, so a user gets the same alone as after another user."""
+    from test_kvzip import TOK
+
+    from veloxpatch.memory import full_kv_bytes, kv_bytes
+
+    model = tiny_model("llama", head_dim=32)
+    system = prompt_tokens(60, seed=21).tolist()
+    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=24) as patch:
+        passes = []
+        finish = patch.cache_cls.finish_context
+
+        def compress(caches, ids):
+            passes.append(ids)
+            finish(model, caches, ids, TOK)
+            patch.end_prompt(caches)
+
+        def keep(store, ask):
+            store.keep_system(model, KEY, system + ask, len(system), 16, compress)
+
+        patch.keep_snapshots = True
+        fresh = BoundedPromptCache()
+        keep(fresh, ASK_B)
+        alone = serve(model, fresh, system + ASK_B)
+        store = BoundedPromptCache()
+        passes.clear()
+        keep(store, ASK_A)
+        entry = store._trie.get(KEY, system).prompt_cache
+        assert serve(model, store, system + ASK_A)[2] == len(system)
+        keep(store, ASK_B)
+        after = serve(model, store, system + ASK_B)
+    assert passes == [system]  # once, over the system prompt alone
+    assert kv_bytes(entry) < full_kv_bytes(entry) / 2  # compressed
+    assert after[2] >= len(system)
+    assert after[0] == alone[0]
+    np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)

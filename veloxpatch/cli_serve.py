@@ -108,9 +108,17 @@ class ServeCommand(click.Command):
     default=None,
     help="keep quantized weights (default: dequantize on the CPU)",
 )
+@click.option(
+    "--compress-system-prompt",
+    is_flag=True,
+    help="kvzip: compress each system prompt on its own, question-agnostic, "
+    "once; its users' questions are read on the compressed entry (no pass)",
+)
 @click.pass_context
 @user_errors
-def serve(ctx, model, algo, budget, algo_args, max_kv_bytes, quantized):
+def serve(
+    ctx, model, algo, budget, algo_args, max_kv_bytes, quantized, compress_system_prompt
+):
     """Serve a patched model with mlx-lm's OpenAI-compatible server.
 
     Every request is served by the one model given (patched with ALGO); a
@@ -123,7 +131,12 @@ def serve(ctx, model, algo, budget, algo_args, max_kv_bytes, quantized):
     from .caches.kv_budget import parse_size
 
     options = algo_options(budget, algo_args)
-    make_options(algo, options)  # fail before the slow load
+    cache_cls, _ = make_options(algo, options)  # fail before the slow load
+    if compress_system_prompt and not cache_cls.wants_token_ids:
+        raise UserError(
+            f"--compress-system-prompt: {algo} has no question-agnostic pass to "
+            "compress a system prompt alone; use --algo kvzip"
+        )
     cap = parse_size(max_kv_bytes) if max_kv_bytes is not None else None
     cli_args = parse_mlx_flags(list(ctx.args))
     cli_args.model = model
@@ -134,4 +147,12 @@ def serve(ctx, model, algo, budget, algo_args, max_kv_bytes, quantized):
     )
     from .serve.server import run
 
-    run(cli_args, model, algo, options, max_kv_bytes=cap, quantized=quantized)
+    run(
+        cli_args,
+        model,
+        algo,
+        options,
+        max_kv_bytes=cap,
+        quantized=quantized,
+        compress_system=compress_system_prompt,
+    )

@@ -221,26 +221,36 @@ class BoundedPromptCache(LRUPromptCache):
                 return None, tokens
             return copy.deepcopy(entry.prompt_cache), rest
 
-    def keep_system(self, model, key, prompt, system_end, prefill_step) -> int:
+    def keep_system(
+        self, model, key, prompt, system_end, prefill_step, compress=None
+    ) -> int:
         """Before a request served one at a time: fetch its nearest entry and,
         if that starts before the end of its system prompt (`system_end`
         tokens), read up to there and insert a copy as a "system" entry, as
         mlx-lm's batched path does while it reads a prompt. Its one-at-a-time
         path only inserts the request's end, which a cache compressed as its
         prompt ended (kvzip) cannot be trimmed back to: every user of the same
-        system prompt would read it again. The request's own fetch gets what
-        was fetched and read here (no second copy). Returns the tokens read."""
+        system prompt would read it again. `compress(caches, ids)`: the entry
+        is the system prompt read alone and compressed by it (read from the
+        start). The request's own fetch gets what was fetched and read here (no
+        second copy). Returns the tokens read."""
         cache, rest = self.fetch_nearest_cache(key, prompt)
         start = len(prompt) - len(rest)
         read = 0
         if system_end - start >= 2:  # one token left would be a lone call
-            if cache is None:
-                cache = make_prompt_cache(model)
+            if cache is None or compress is not None:
+                cache, start = make_prompt_cache(model), 0
             for piece in prompt_pieces(prompt[start:system_end], prefill_step):
                 model(mx.array(piece)[None], cache=cache)
                 mx.eval([c.state for c in cache])  # as generate_step's prefill
-            log.info("prompt cache: the system prompt's %d tokens kept", system_end)
             system = list(prompt[:system_end])
+            if compress is not None:
+                compress(cache, system)
+            log.info(
+                "prompt cache: the system prompt's %d tokens kept%s",
+                system_end,
+                ", compressed" if compress is not None else "",
+            )
             self.insert_cache(key, system, copy.deepcopy(cache), cache_type="system")
             rest = prompt[system_end:]
             read = system_end - start

@@ -280,7 +280,11 @@ class Handler(APIHandler):
 class Generator(CuttableGenerator):
     """mlx-lm's generation thread, its requests cuttable (`cuts`), whose
     one-at-a-time requests keep their system prompt's prompt-cache entry as
-    its batches do (`kv.BoundedPromptCache.keep_system`)."""
+    its batches do (`kv.BoundedPromptCache.keep_system`); with
+    `compress_system`, that entry is the system prompt compressed on its own
+    (question-agnostic, kvzip's reconstruction), once for every user of it."""
+
+    compress_system = False
 
     def _serve_single(self, request, stream):
         queue, body, args = request
@@ -302,12 +306,24 @@ class Generator(CuttableGenerator):
         prompt, segments, kinds, _, vision = tokenized
         if vision is not None or len(kinds) < 2 or kinds[0] != "system":
             return 0
+        compress = None
+        if self.compress_system:
+            patch, tokenizer = provider.patch, provider.tokenizer
+
+            # the pass's bytes refused before the system prompt is read
+            patch.check_context(len(segments[0]), tokenizer=tokenizer)
+
+            def compress(caches, ids):
+                patch.cache_cls.finish_context(patch.model, caches, ids, tokenizer)
+                patch.end_prompt(caches)
+
         return self.prompt_cache.keep_system(
             provider.model,
             provider.model_key,
             prompt,
             len(segments[0]),
             self.cli_args.prefill_step_size,
+            compress,
         )
 
 
@@ -336,7 +352,16 @@ class ServeState(SimpleNamespace):
     """What every request thread shares: provider, generator, estimate, ledger."""
 
 
-def run(cli_args, model, algo, options, *, max_kv_bytes=None, quantized=None):
+def run(
+    cli_args,
+    model,
+    algo,
+    options,
+    *,
+    max_kv_bytes=None,
+    quantized=None,
+    compress_system=False,
+):
     """Load and patch the model (errors stop here, before serving), then serve
     until interrupted."""
     provider = PatchedModelProvider(cli_args, model, algo, options, quantized)
@@ -354,6 +379,7 @@ def run(cli_args, model, algo, options, *, max_kv_bytes=None, quantized=None):
         limits=model_limits(provider.model),
     )
     state.generator = Generator(provider, prompt_cache)
+    state.generator.compress_system = compress_system
     log.info(
         "serving %s patched with %s %s; KV cap %s",
         provider.served_name(),
