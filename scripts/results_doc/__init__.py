@@ -35,6 +35,7 @@ SECTIONS = [
     continuation.equal_bytes,
     agnostic.compress_cost,
     serving.serve_bench,
+    serving.shared_system,
     chat.chat_bench,
     agnostic.kvzip_in_generate,
     eval_runs.passkey_all,

@@ -3,6 +3,7 @@ the same model, 1 to N concurrent long-prompt chat requests."""
 
 from __future__ import annotations
 
+import results_markdown as rm
 from results_markdown import load, meta, table
 
 BASE = "mlx_lm_unpatched"
@@ -87,3 +88,131 @@ def serve_bench() -> list[str]:
         "; ".join(notes) + ".",
         "",
     ]
+
+
+def shared_system() -> list[str]:
+    res = load("bench_shared_system")
+    before = load("bench_shared_system_before")
+    cfg = res["config"]
+    rows = res["table"] + [{**r, "arm": f"{r['arm']} before"} for r in before["table"]]
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+
+    def median(values):
+        values = sorted(values)
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    def span(values):
+        lo, hi = min(values), max(values)
+        return f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
+
+    body, later_of = [], {}
+    for arm in arms:
+        mine = [r for r in rows if r["arm"] == arm]
+        later = median([u["ttft_s"] for r in mine for u in r["users"][1:]])
+        cached = [u["cached_tokens"] for r in mine for u in r["users"][1:]]
+        prompt = [u["prompt_tokens"] for r in mine for u in r["users"][1:]]
+        later_of[arm] = later
+        body.append(
+            [
+                f"`{arm}`",
+                f"{median([r['ttft_s_first'] for r in mine]):.1f}",
+                f"{later:.2f}",
+                f"{span(cached)} of {span(prompt)}",
+                f"{sum(r['number_correct'] for r in mine)}/{len(mine)}",
+            ]
+        )
+    notes = []
+    pairs = [("kvzip", "kvzip before"), ("kvzip_compressed_system", "kvzip before")]
+    pairs += [("kvzip_compressed_system", "full")]
+    for arm, other in pairs:
+        if arm in later_of and other in later_of:
+            notes.append(
+                f"later users' TTFT, `{arm}` against `{other}`: "
+                f"{later_of[arm] / later_of[other]:.2f}x"
+            )
+    return [
+        "## Users sharing a system prompt, through the server",
+        "",
+        f"{cfg['documents']} documents of ~{cfg['system_tokens']:,} tokens of "
+        "evaluation prose with a five-digit secret number (the chat benchmark's "
+        "documents) sent as the system message, each to a fresh server per arm, "
+        f"by {cfg['users']} users one after another with questions of their own; "
+        "the last user asks for the number (greedy, "
+        f"{cfg['max_tokens']} tokens). TTFT: the first user's and the later users' "
+        "(medians over documents); cached: usage's cached_tokens of the later "
+        "users. `kvzip` is served one request at a time; `kvzip before` is the "
+        "same run at the commit before the server kept a system prompt's entry "
+        "for such requests (this script copied into it: its uncommitted change). "
+        "`kvzip_compressed_system` is `--compress-system-prompt`. kvzip at its "
+        "default budget (256).",
+        "",
+        meta("bench_shared_system", res),
+        "",
+        meta("bench_shared_system_before", before),
+        "",
+        *table(
+            [
+                "arm",
+                "TTFT first user s",
+                "TTFT later users s",
+                "later users' cached tokens",
+                "number (last user)",
+            ],
+            body,
+        ),
+        "",
+        "    .venv/bin/python scripts/bench_shared_system.py "
+        f"--documents {cfg['documents']} --users {cfg['users']} "
+        f"--system-tokens {cfg['system_tokens']} --out {cfg['out']}",
+        "",
+        "; ".join(notes) + ".",
+        "",
+        *shared_system_quality(),
+    ]
+
+
+def shared_system_quality() -> list[str]:
+    """The number asked for by a second user, over more documents: kvzip's
+    compression with the question (the default) or of the system prompt alone,
+    and `full` on the same documents (a second run)."""
+    names = ["bench_shared_system_quality", "bench_shared_system_quality_full"]
+    names = [n for n in names if (rm.RESULTS / f"{n}.json").exists()]
+    if not names:
+        return []
+    from veloxpatch.eval.passkey import wilson
+
+    runs = [load(n) for n in names]
+    cfg = runs[0]["config"]
+    rows = [r for res in runs for r in res["table"]]
+    body = []
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        right = sum(r["number_correct"] for r in mine)
+        lo, hi = wilson(right, len(mine))
+        missed = [str(r["document"]) for r in mine if not r["number_correct"]]
+        body.append(
+            [
+                f"`{arm}`",
+                f"{right}/{len(mine)} [{lo:.2f}, {hi:.2f}]",
+                ", ".join(missed) or "-",
+            ]
+        )
+    lines = [
+        f"The number over {cfg['documents']} other documents (seed {cfg['seed']}), "
+        f"{cfg['users']} users each (one question, then the number):",
+        "",
+    ]
+    for name, res in zip(names, runs):
+        lines += [meta(name, res), ""]
+    lines += table(["arm", "number (last user)", "documents missed"], body)
+    lines.append("")
+    for res in runs:
+        c = res["config"]
+        lines.append(
+            "    .venv/bin/python scripts/bench_shared_system.py "
+            f"--documents {c['documents']} --users {c['users']} --seed {c['seed']} "
+            f"--system-tokens {c['system_tokens']} --arms {c['arms']} "
+            f"--out {c['out']}"
+        )
+    return [*lines, ""]

@@ -257,6 +257,10 @@ class BoundedPromptCache(LRUPromptCache):
         self._handed = (key, list(prompt), cache, rest)
         return read
 
+    def drop_handed(self) -> None:
+        """Forget what keep_system fetched, if its request never asked for it."""
+        self._handed = None
+
     def trim_to(self, *, n_sequences=None, n_bytes=None):
         with self._lock:
             super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)

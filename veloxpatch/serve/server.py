@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 from mlx_lm.server import APIHandler, GenerationContext, ModelProvider
 
+from ..errors import OptionError
 from ..mlx_lm_internals import run_http_server, tokenize_request
 from .checks import BadRequest, check_body, check_length, model_limits
 from .cuts import CLIENT_GONE, Cut, CuttableGenerator, client_gone, stop_on_signals
@@ -288,14 +289,19 @@ class Generator(CuttableGenerator):
 
     def _serve_single(self, request, stream):
         queue, body, args = request
+        read = 0
         try:
             read = self._keep_system(body, args)
+        except OptionError as e:  # the request meets it again, and answers it
+            log.warning("the system prompt's prompt-cache entry was not kept: %s", e)
         except Exception:  # the request goes on and reads its system prompt itself
             log.exception("the system prompt's prompt-cache entry was not kept")
-            read = 0
         if read:
             queue = ReadForTheRequest(queue, read)
-        super()._serve_single((queue, body, args), stream)
+        try:
+            super()._serve_single((queue, body, args), stream)
+        finally:  # a request that failed before its fetch leaves nothing held
+            self.prompt_cache.drop_handed()
 
     def _keep_system(self, body, args) -> int:
         provider = self.model_provider
