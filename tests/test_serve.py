@@ -149,7 +149,12 @@ def test_help_lists_our_options_and_mlx_lm_server_flags():
 
     res = CliRunner().invoke(main, ["serve", "--help"])
     assert res.exit_code == 0, res.output
-    for flag in ("--algo-arg", "--max-kv-bytes", "--budget"):  # ours
+    for flag in (
+        "--algo-arg",
+        "--max-kv-bytes",
+        "--budget",
+        "--compress-system-prompt",
+    ):  # ours
         assert flag in res.output
     for flag in ("--port", "--host", "--prompt-cache-size", "--decode-concurrency"):
         assert flag in res.output  # mlx-lm's, passed through

@@ -11,6 +11,8 @@ from results_markdown import CODEBOOK, by_key, count, load, table
 
 from .kvzap import prefill_ratios
 from .kvzip_defaults import DEFAULT, NEW_256
+from .peak import NAME as PEAK
+from .peak import RERUN
 from .peers import worse_pairs
 from .quantized import BENCH, decode_ratio
 
@@ -48,8 +50,10 @@ def later_rows() -> list[list[str]]:
             )
     # peak memory: 8,192 tokens (bench_memory.py) and 16k through generate, one row
     ours, theirs = [], []
-    if (rm.RESULTS / "bench_memory_peak.json").exists():
-        peak = load("bench_memory_peak")
+    # the 8,192-token rerun when there is one: the newer numbers
+    names = [n for n in (RERUN, PEAK) if (rm.RESULTS / f"{n}.json").exists()]
+    if names:
+        peak = load(names[0])
         at = {
             r["arm"]: r
             for r in peak["rows"]
