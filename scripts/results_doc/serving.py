@@ -175,22 +175,24 @@ def shared_system() -> list[str]:
 def shared_system_quality() -> list[str]:
     """The number asked for by a second user, over more documents: kvzip's
     compression with the question (the default) or of the system prompt alone,
-    and `full` on the same documents (a second run)."""
-    names = ["bench_shared_system_quality", "bench_shared_system_quality_full"]
-    names = [n for n in names if (rm.RESULTS / f"{n}.json").exists()]
+    and `full`, from every bench_shared_system_quality*.json."""
+    found = sorted(rm.RESULTS.glob("bench_shared_system_quality*.json"))
+    names = [p.stem for p in found]
     if not names:
         return []
     from veloxpatch.eval.passkey import wilson
 
     runs = [load(n) for n in names]
     cfg = runs[0]["config"]
-    rows = [r for res in runs for r in res["table"]]
+    rows = [{**r, "seed": res["config"]["seed"]} for res in runs for r in res["table"]]
     body = []
     for arm in dict.fromkeys(r["arm"] for r in rows):
         mine = [r for r in rows if r["arm"] == arm]
         right = sum(r["number_correct"] for r in mine)
         lo, hi = wilson(right, len(mine))
-        missed = [str(r["document"]) for r in mine if not r["number_correct"]]
+        missed = [
+            f"{r['seed']}:{r['document']}" for r in mine if not r["number_correct"]
+        ]
         body.append(
             [
                 f"`{arm}`",
@@ -198,14 +200,20 @@ def shared_system_quality() -> list[str]:
                 ", ".join(missed) or "-",
             ]
         )
+    seeds = {}
+    for res in runs:
+        c = res["config"]
+        for arm in c["arms"].split(","):
+            seeds.setdefault(arm, []).append(f"{c['seed']} ({c['documents']})")
+    which = "; ".join(f"`{a}` {', '.join(s)}" for a, s in seeds.items())
     lines = [
-        f"The number over {cfg['documents']} other documents (seed {cfg['seed']}), "
-        f"{cfg['users']} users each (one question, then the number):",
+        f"The number on other documents, {cfg['users']} users each (one question, "
+        f"then the number); seeds of bench_chat's documents (their count): {which}:",
         "",
     ]
     for name, res in zip(names, runs):
         lines += [meta(name, res), ""]
-    lines += table(["arm", "number (last user)", "documents missed"], body)
+    lines += table(["arm", "number (last user)", "documents missed (seed:index)"], body)
     lines.append("")
     for res in runs:
         c = res["config"]
