@@ -203,12 +203,7 @@ def peak_memory() -> list[str]:
         if context == note_at and (notes := _chunked(mine)):
             lines += notes + [""]
     lines += [
-        *command(
-            f"{PY} scripts/bench_memory.py",
-            cfg,
-            KEYS,
-            rename={"prefill_step_size": "prefill_step"},
-        ),
+        *_bench_command(cfg),
         "",
     ]
     for more in cfg.get("added", []):
@@ -216,15 +211,16 @@ def peak_memory() -> list[str]:
         lines += [
             f"Added (commit `{run.get('git_commit', '?')[:7]}`):",
             "",
-            *command(
-                f"{PY} scripts/bench_memory.py --add",
-                {**cfg, **more},
-                KEYS,
-                rename={"prefill_step_size": "prefill_step"},
-            ),
+            *_bench_command({**cfg, **more}, add=True),
             "",
         ]
     return lines + _rerun()
+
+
+def _bench_command(cfg: dict, add: bool = False) -> list[str]:
+    """The bench_memory.py command a run's configuration records."""
+    prog = f"{PY} scripts/bench_memory.py" + (" --add" if add else "")
+    return command(prog, cfg, KEYS, rename={"prefill_step_size": "prefill_step"})
 
 
 def _rerun() -> list[str]:
@@ -252,12 +248,7 @@ def _rerun() -> list[str]:
         "",
         *_chunked(rows),
         "",
-        *command(
-            f"{PY} scripts/bench_memory.py",
-            cfg,
-            KEYS,
-            rename={"prefill_step_size": "prefill_step"},
-        ),
+        *_bench_command(cfg),
         "",
     ]
 

@@ -3,6 +3,8 @@ the same model, 1 to N concurrent long-prompt chat requests."""
 
 from __future__ import annotations
 
+from statistics import median
+
 import results_markdown as rm
 from results_markdown import load, meta, table
 
@@ -96,11 +98,6 @@ def shared_system() -> list[str]:
     cfg = res["config"]
     rows = res["table"] + [{**r, "arm": f"{r['arm']} before"} for r in before["table"]]
     arms = list(dict.fromkeys(r["arm"] for r in rows))
-
-    def median(values):
-        values = sorted(values)
-        mid = len(values) // 2
-        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
     def span(values):
         lo, hi = min(values), max(values)
