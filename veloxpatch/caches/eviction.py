@@ -60,7 +60,8 @@ class EvictionOptions(CacheOptions):
     `kv_sinks`: the first rows held dense ahead of the quantized ones, 1 by
     default with `kv_rotate` (as kivi's); `sinks` is raised to it, so they are
     never evicted. `kv_debias=True`: each quantized key's logit less half its
-    expected rounding variance (as kivi's).
+    expected rounding variance (as kivi's). `kv_round="query"`: keys rounded
+    with error feedback weighed by the queries to come (as kivi's).
     `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
     (Ada-KV: a layer's heads share budget x heads rows by their scores, each
     keeping at least the fraction `alpha`, default 0.2, of the uniform share;
@@ -84,6 +85,7 @@ class EvictionOptions(CacheOptions):
     kv_qjl: bool = False
     kv_sinks: int | None = None
     kv_debias: bool | None = None
+    kv_round: str = "nearest"
     head_budget: str = "uniform"
     alpha: float | None = None
     max_kv_bytes: int | str | None = None
@@ -162,6 +164,7 @@ class EvictionOptions(CacheOptions):
             check_qjl,
             check_quant,
             check_rotate,
+            check_round,
             dense_sinks,
             logit_debias,
         )
@@ -180,6 +183,7 @@ class EvictionOptions(CacheOptions):
             self.kv_dense,
         )
         check_qjl(self.kv_qjl, self.kv_bits, self.kv_keys, self.kv_grid, "kv_")
+        check_round(self.kv_round, self.kv_bits, self.kv_keys, self.kv_grid, "kv_")
         check_key_bits(self.kv_key_bits, self.kv_bits, self.kv_qjl, self.kv_grid, "kv_")
         check_int("sinks", self.sinks, 0)
         self.kv_sinks = dense_sinks(self.kv_sinks, self.kv_rotate, self.kv_bits)

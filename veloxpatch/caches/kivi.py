@@ -27,6 +27,7 @@ from .kv_bits import (
     check_quant,
     check_rotatable,
     check_rotate,
+    check_round,
     dense_sinks,
     logit_debias,
 )
@@ -53,7 +54,11 @@ class KIVIOptions(CacheOptions):
     default 1 with a rotation (our TurboQuant-style path, its defaults chosen by
     measurement: docs/results.md), 0 without (KIVI's definition).
     `kv_debias=True`: each quantized key's logit less half its expected
-    rounding variance, so exp(logit) is unbiased (`quantized.py`)."""
+    rounding variance, so exp(logit) is unbiased (`quantized.py`).
+    `kv_round="query"`: keys rounded channel by channel with each rounding
+    error fed forward to the key's later channels (GPTQ's rule), weighed by
+    the second moment of the queries to come: the prompt's own, moved by RoPE
+    to the next positions (`quantized.py`)."""
 
     bits: int | str = 2
     key_bits: int | None = None
@@ -68,6 +73,7 @@ class KIVIOptions(CacheOptions):
     kv_qjl: bool = False
     kv_sinks: int | None = None
     kv_debias: bool | None = None
+    kv_round: str = "nearest"
 
     def __post_init__(self):
         super().__post_init__()
@@ -77,6 +83,7 @@ class KIVIOptions(CacheOptions):
             self.kv_grid, self.bits, self.group, "", self.kv_scales, self.kv_dense
         )
         check_qjl(self.kv_qjl, self.bits, self.kv_keys, self.kv_grid)
+        check_round(self.kv_round, self.bits, self.kv_keys, self.kv_grid)
         check_key_bits(self.key_bits, self.bits, self.kv_qjl, self.kv_grid)
         self.kv_sinks = dense_sinks(self.kv_sinks, self.kv_rotate, self.bits)
         self.kv_debias = logit_debias(

@@ -46,11 +46,18 @@ from .kv_options import (  # noqa: F401  (the names callers import from here)
     check_quant,
     check_rotatable,
     check_rotate,
+    check_round,
     dense_sinks,
     layer_total,
     logit_debias,
 )
-from .quantized import QuantizedStore, qjl_matrix, rotation_signs, sinks_then_groups
+from .quantized import (
+    QuantizedStore,
+    future_moment,
+    qjl_matrix,
+    rotation_signs,
+    sinks_then_groups,
+)
 from .qview import QuantizedView
 from .storage import PAD_POSITION
 
@@ -71,6 +78,11 @@ class QuantizedKV:
         # until the first group is quantized (quantized.key_scales)
         self.query_power = None
         self.query_count = 0
+        # kv_round="query": sum of pre-RoPE query outer products [B, Hkv, D, D]
+        # and their count, until the first group is quantized; the layer's rope
+        self.query_m2 = None
+        self.query_m2_count = 0
+        self.query_rope = None
 
     # ---- slots --------------------------------------------------------------------
     @property
@@ -209,8 +221,10 @@ class QuantizedKV:
 
     @property
     def trim_keeps_queries(self) -> bool:
-        # kv_rotate="query" sums the queries until the first group's scales are set
-        return self.query_power is not None or super().trim_keeps_queries
+        # kv_rotate="query" and kv_round="query" sum the queries until the
+        # first group is quantized
+        pending = self.query_power is not None or self.query_m2 is not None
+        return pending or super().trim_keeps_queries
 
     def trim(self, n):
         n = super().trim(n)
@@ -266,6 +280,27 @@ class QuantizedKV:
     @property
     def _adaptive(self) -> bool:
         return self.options.kv_bits == "adaptive"
+
+    def rotate(self, q, k, rope, offset, query_scale):
+        if self.options.kv_round == "query" and not self._rounding_set:
+            self.query_rope = rope
+            self._add_query_m2(
+                q if query_scale is None else q * query_scale, k.shape[1]
+            )
+        return super().rotate(q, k, rope, offset, query_scale)
+
+    @property
+    def _rounding_set(self) -> bool:
+        return self.store is not None and self.store.key_factor is not None
+
+    def _add_query_m2(self, q, H: int) -> None:
+        """Add a call's pre-RoPE queries [B, Hq, L, D] to the sums of outer
+        products per KV head (H of them)."""
+        B, Hq, L, D = q.shape
+        qg = q.astype(mx.float32).reshape(B, H, Hq // H * L, D)
+        m2 = qg.swapaxes(-1, -2) @ qg
+        self.query_m2 = m2 if self.query_m2 is None else self.query_m2 + m2
+        self.query_m2_count += Hq // H * L
 
     def after_attend(self, q, new_rows):
         super().after_attend(q, new_rows)  # the algorithm evicts first
@@ -354,18 +389,27 @@ class QuantizedKV:
     @contextlib.contextmanager
     def _first_scales(self):
         """Rows quantized inside: kv_rotate="query"'s first group sets the key
-        scales from the query sums so far (the store gets them only for this
-        call: a sink alone sets none, and a later group must read newer sums)."""
+        scales from the query sums so far, kv_round="query"'s its rounding
+        factor from the queries' second moment moved to the next positions
+        (the store gets them only for this call: a sink alone sets none, and a
+        later group must read newer sums)."""
         if self.query_power is not None:
             self.store.query_power = self.query_power / self.query_count
+        # (a loaded cache settled before any call knows no rope: nearest rounding)
+        if self.query_m2 is not None and self.query_rope is not None:
+            m2 = self.query_m2 / self.query_m2_count
+            self.store.query_moment = future_moment(self.query_rope, self.offset, m2)
         try:
             yield
         finally:  # never left for a later group to read
-            self.store.query_power = None
+            self.store.query_power = self.store.query_moment = None
         if self._scaled and self.query_count:  # the scales were set just now
             # from every query so far: a trim cannot take those back
             self.irreversible_at = max(self.irreversible_at or 0, self.offset)
             self.query_power, self.query_count = None, 0
+        if self._rounding_set and self.query_m2_count:  # likewise
+            self.irreversible_at = max(self.irreversible_at or 0, self.offset)
+            self.query_m2, self.query_m2_count = None, 0
 
     def _widths_due(self) -> bool:
         """Adaptive, decoding, no widths yet (a prompt of lone tokens never
@@ -398,6 +442,7 @@ class QuantizedKV:
             self._sinks,
             o.kv_key_bits,
             o.kv_rotate == "query",
+            o.kv_round == "query",
         )
 
     @property
@@ -411,6 +456,7 @@ class QuantizedKV:
         side += [] if self.store is None else self.store.arrays()
         side += [] if self.slot is None else [self.slot]
         side += [] if self.query_power is None else [self.query_power]
+        side += [] if self.query_m2 is None else [self.query_m2]
         return side + ([] if self.window_q is None else [self.window_q])
 
     # ---- contract -----------------------------------------------------------------
@@ -432,12 +478,16 @@ class QuantizedKV:
         if self.query_power is not None:
             st["query_power"] = self.query_power
             st["query_count"] = mx.array([self.query_count], dtype=mx.int32)
+        if self.query_m2 is not None:
+            st["query_m2"] = self.query_m2
+            st["query_m2_count"] = mx.array([self.query_m2_count], dtype=mx.int32)
         return st
 
     def load_storage(self, st):
         o = self.options
-        query_aware = o.kv_rotate == "query"
-        self.store = QuantizedStore.from_state(st, o.kv_group, self._sinks, query_aware)
+        self.store = QuantizedStore.from_state(
+            st, o.kv_group, self._sinks, o.kv_rotate == "query", o.kv_round == "query"
+        )
         for k in [k for k in st if k.split(".")[0] in ("q", *self._part_names())]:
             st.pop(k)
         self.slot = st.pop("slot", None)
@@ -445,6 +495,9 @@ class QuantizedKV:
         self.query_power = st.pop("query_power", None)
         count = st.pop("query_count", None)
         self.query_count = 0 if count is None else int(count.item())
+        self.query_m2 = st.pop("query_m2", None)
+        count = st.pop("query_m2_count", None)
+        self.query_m2_count = 0 if count is None else int(count.item())
         super().load_storage(st)
         self.rows = self.slots if self.slot is None else self.slot.shape[-1]
 

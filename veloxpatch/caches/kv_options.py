@@ -13,6 +13,7 @@ BITS = (2, 3, 4, 8)
 ROTATIONS = (None, "hadamard", "query")  # "query": keys scaled, then hadamard
 KEY_GROUPS = ("channel", "token")  # keys quantized per channel (KIVI) or per token
 GRIDS = ("minmax", "mlx", "gaussian", "mxfp4")  # quantized.py's grids
+ROUNDINGS = ("nearest", "query")  # "query": error fed forward (quantized.py)
 SCALES = ("model", "float16")  # the dtype of scales and biases, or of dense rows
 GROUPS = (32, 64, 128)  # the group sizes mx.quantize takes
 ADAPTIVE_WIDTHS = (2, 3, 4)
@@ -111,6 +112,20 @@ def check_grid(
         raise OptionError(
             "kv_grid='mxfp4' keeps its own 8-bit scales: kv_scales is for the "
             "affine grids"
+        )
+
+
+def check_round(rounding, bits, keys, grid, prefix: str = "") -> None:
+    """`kv_round`: "nearest" or "query" (keys rounded with error feedback
+    weighed by the queries to come, `quantized.py`): on keys per channel, on
+    a grid set before rounding (minmax or gaussian)."""
+    check_choice("kv_round", rounding, ROUNDINGS)
+    if rounding == "nearest":
+        return
+    if bits is None or keys != "channel" or grid not in ("minmax", "gaussian"):
+        raise OptionError(
+            f"kv_round={rounding!r} needs {prefix}bits with kv_keys='channel' and "
+            f"kv_grid 'minmax' or 'gaussian' (got {bits!r}, {keys!r}, {grid!r})"
         )
 
 

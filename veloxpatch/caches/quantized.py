@@ -133,14 +133,18 @@ def _encode(x: mx.array, g: mx.array, scales, biases, bits: int):
     return pack(codes, bits), scales[..., 0], biases[..., 0]
 
 
+def minmax_grid(g: mx.array, bits: int, dtype):
+    """The paper's grid of groups g [..., group]: (scales, biases) [..., 1] in
+    `dtype`, scale (max - min) / (2^bits - 1), bias min."""
+    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+    return ((hi - lo) / (2**bits - 1)).astype(dtype), lo.astype(dtype)
+
+
 def minmax_quantize(x: mx.array, group: int, bits: int, dtype=None):
     """The paper's grid in mlx's layout: (words, scales, biases) along the last
     axis, scales and biases in `dtype` (default x's)."""
-    dtype = dtype or x.dtype
     g = _groups(x, group)
-    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
-    scales = ((hi - lo) / (2**bits - 1)).astype(dtype)
-    return _encode(x, g, scales, lo.astype(dtype), bits)
+    return _encode(x, g, *minmax_grid(g, bits, dtype or x.dtype), bits)
 
 
 @functools.cache
@@ -173,13 +177,49 @@ def gaussian_quantize(x: mx.array, group: int, bits: int, dtype=None):
     `gaussian_step` grid of its own mean and standard deviation, centred on
     the mean; a constant group is its mean exactly. Scales and biases in
     `dtype` (default x's)."""
-    dtype = dtype or x.dtype
     g = _groups(x, group)
+    return _encode(x, g, *gaussian_grid(g, bits, dtype or x.dtype), bits)
+
+
+def gaussian_grid(g: mx.array, bits: int, dtype):
+    """`gaussian_quantize`'s (scales, biases) [..., 1] of groups g [..., group]."""
     mean = g.mean(-1, keepdims=True)
     std = mx.sqrt(((g - mean) ** 2).mean(-1, keepdims=True))
     step = (std * gaussian_step(bits)).astype(dtype)
     biases = mean - step.astype(mx.float32) * ((2**bits - 1) / 2)
-    return _encode(x, g, step, biases.astype(dtype), bits)
+    return step, biases.astype(dtype)
+
+
+GRIDS = {"minmax": minmax_grid, "gaussian": gaussian_grid}  # kv_round="query"'s
+
+
+def feedback_quantize(k: mx.array, group: int, bits: int, grid: str, dtype, factor):
+    """Keys k [B, H, T, D] quantized per channel (K^T along T, as `quantize`
+    lays them out) with rounding error fed forward along each key's channels
+    (GPTQ's rule, Frantar et al. 2023): channel j is rounded on its group's
+    grid, then the later channels of the same key move by -e_j U[j] / U[j, j],
+    `factor` U [B, H, D, D] the upper Cholesky factor of H^-1, so that the
+    error lands where q^T H q (the expected queries) is small (module doc,
+    kv_round). The grid is the unmoved keys' (`GRIDS`)."""
+    dtype = dtype or k.dtype
+    g = _groups(k.swapaxes(-1, -2), group)  # [B, H, D, T/group, group]
+    scales, biases = GRIDS[grid](g, bits, dtype)
+    B, H, T, D = k.shape
+    # each key's grid per channel [B, H, T, D]
+    step = mx.repeat(mx.maximum(scales.astype(mx.float32), 1e-12)[..., 0], group, -1)
+    step, zero = (
+        step.swapaxes(-1, -2),
+        mx.repeat(biases.astype(mx.float32)[..., 0], group, -1).swapaxes(-1, -2),
+    )
+    w, top = k.astype(mx.float32), 2**bits - 1
+    codes = []
+    for j in range(D):
+        c = mx.clip(mx.round((w[..., j] - zero[..., j]) / step[..., j]), 0, top)
+        err = (w[..., j] - zero[..., j] - c * step[..., j]) / factor[:, :, None, j, j]
+        w = w - err[..., None] * factor[:, :, None, j, :]
+        codes.append(c)
+    codes = mx.stack(codes, axis=2).astype(mx.uint32)  # [B, H, D, T]
+    return pack(codes, bits), scales[..., 0], biases[..., 0]
 
 
 def quantize(x: mx.array, group: int, bits: int, grid: str = "minmax", dtype=None):
@@ -233,6 +273,47 @@ def key_scales(query_power: mx.array | None, k: mx.array, group: int) -> mx.arra
     power = power + 1e-6 * power.mean(-1, keepdims=True) + 1e-30
     log_s = 0.25 * (mx.log(power) - mx.log(var))
     return mx.exp(log_s - log_s.mean(-1, keepdims=True))
+
+
+FUTURE_QUERIES = 512  # positions after the prompt whose queries kv_round weighs
+ROUNDING_DAMP = 0.01  # of H's mean diagonal, added before inverting (as GPTQ)
+
+
+def rotation_at(rope, position: int, dim: int) -> mx.array:
+    """The linear map [dim, dim] `rope` applies at `position` (column j: the
+    rotated e_j)."""
+    basis = mx.eye(dim, dtype=mx.float32)[:, None, None, :]  # [dim, 1, 1, dim]
+    return rope(basis, offset=position)[:, 0, 0].astype(mx.float32).T
+
+
+def future_moment(rope, start: int, m2: mx.array, n: int = FUTURE_QUERIES):
+    """The mean over positions t in [start, start + n) of R_t m2 R_t^T (n a
+    power of two): the second moment [B, H, D, D] of post-RoPE queries at those
+    positions, from their pre-RoPE one m2. Summed by doubling, R_(t+m) = R_m
+    R_t, each R_m normed to a rotation (a scaled rope, YaRN's, scales every
+    position alike: R_start carries it)."""
+    D = m2.shape[-1]
+    r = rotation_at(rope, start, D)
+    total = r @ m2.astype(mx.float32) @ r.T
+    span = 1
+    while span < n:
+        r = rotation_at(rope, span, D)
+        r = r / mx.linalg.norm(r[:, 0])
+        total = total + r @ total @ r.T
+        span *= 2
+    return total / span
+
+
+def rounding_factor(h: mx.array) -> mx.array:
+    """GPTQ's U [B, H, D, D] for a second moment h of the queries (as stored):
+    the upper Cholesky factor of (h + damp)^-1, damp `ROUNDING_DAMP` of h's
+    mean diagonal (and a floor) so that a silent direction stays finite."""
+    D = h.shape[-1]
+    diag = mx.diagonal(h, axis1=-2, axis2=-1).mean(-1)[..., None, None]
+    h = h + (ROUNDING_DAMP * diag + 1e-12) * mx.eye(D)
+    inv = mx.linalg.inv(h, stream=mx.cpu)
+    inv = (inv + inv.swapaxes(-1, -2)) / 2
+    return mx.linalg.cholesky(inv, upper=True, stream=mx.cpu)
 
 
 def qjl_matrix(dim: int, layer: int) -> mx.array:
@@ -313,12 +394,17 @@ class QuantizedRows:
         g, bits = group or self.group, bits or self.bits
         return mx.dequantize(w, s, b, group_size=g, bits=bits, mode=self.mode)
 
-    def append(self, k: mx.array, v: mx.array) -> None:
-        """Quantize and add rows [B, H, n, D]; n is a multiple of `group`."""
+    def append(self, k: mx.array, v: mx.array, factor=None) -> None:
+        """Quantize and add rows [B, H, n, D]; n is a multiple of `group`.
+        `factor`: keys per channel rounded with error feedback by this U
+        [B, H, D, D] (`feedback_quantize`)."""
         token = self.keys == "token"
         g, b, grid, dt = self.group, self.bits, self.grid, self.dtype
         kb_ = self.key_bits
-        kw, ks, kb = quantize(k if token else k.swapaxes(-1, -2), g, kb_, grid, dt)
+        if factor is not None:
+            kw, ks, kb = feedback_quantize(k, g, kb_, grid, dt, factor)
+        else:
+            kw, ks, kb = quantize(k if token else k.swapaxes(-1, -2), g, kb_, grid, dt)
         vw, vs, vb = quantize(v, g, b, grid, dt)
         new = dict(kw=kw, ks=ks, kb=kb, vw=vw, vs=vs, vb=vb)
         if self.qjl is not None:
@@ -419,8 +505,9 @@ class QuantizedRows:
             out[name] = (mx.take_along_axis(a, idx, axis=axis), axis)
         self._from_groups(out)
 
-    def rebuild(self, k, v, exact: mx.array, gid: mx.array, src: mx.array) -> None:
-        """Replace the rows by k, v [B, H, n, D] quantized, except what is
+    def rebuild(self, k, v, exact, gid, src, factor=None) -> None:
+        """Replace the rows by k, v [B, H, n, D] quantized (`append`'s
+        `factor`), except what is
         already quantized: an array stored a row per token keeps old row
         src[b, h, i] as it was where src < the old rows (so values, and keys
         per token with their QJL signs, are quantized once, never twice), and
@@ -432,7 +519,7 @@ class QuantizedRows:
         self._empty()
         if k.shape[2] == 0:
             return
-        self.append(k, v)
+        self.append(k, v, factor)
         if not T:
             return
         take = mx.minimum(src, T - 1)[..., None]
@@ -492,7 +579,11 @@ class QuantizedStore:
     `key_bits`: every head's keys at this width, the values at `bits` (None:
     keys at `bits` too). `query_aware`: keys scaled by `key_scale` [B, H, D]
     before the rotation (module doc), set from `query_power` (the cache's mean
-    squared queries) when the first group is quantized."""
+    squared queries) when the first group is quantized. `rounds`: keys per
+    channel rounded with error feedback (kv_round="query", module doc) by
+    `key_factor` [B, H, D, D], set from `query_moment` (the second moment of
+    the cache's post-RoPE queries to come, unrotated) when the first group is
+    quantized."""
 
     def __init__(
         self,
@@ -506,11 +597,13 @@ class QuantizedStore:
         sinks: int = 0,
         key_bits: int | None = None,
         query_aware: bool = False,
+        rounds: bool = False,
     ):
         self.bits, self.group, self.signs, self.keys = tuple(bits), group, signs, keys
         self.grid, self.scales, self.qjl = grid, scales, qjl
         self.sinks, self.key_bits = sinks, key_bits
         self.query_aware, self.key_scale, self.query_power = query_aware, None, None
+        self.rounds, self.key_factor, self.query_moment = rounds, None, None
         self.sink_k = self.sink_v = None
         self.widths = sorted(set(self.bits))
         self.heads = [
@@ -566,8 +659,39 @@ class QuantizedStore:
             return
         if self.signs is not None:
             k, v = self._keys_in(k), rotate(v, self.signs)
-        for part, kh, vh in zip(self.parts, self._split(k), self._split(v)):
-            part.append(kh, vh)
+        factors = self._factors(k)
+        for part, kh, vh, fh in zip(
+            self.parts, self._split(k), self._split(v), factors
+        ):
+            part.append(kh, vh, fh)
+
+    def _factors(self, k: mx.array) -> list:
+        """Each part's rounding factor (None: nearest rounding); with `rounds`,
+        set from `query_moment` when not yet (the identity, nearest rounding,
+        when no query was seen)."""
+        if not self.rounds:
+            return [None] * len(self.parts)
+        if self.key_factor is None:
+            B, H, _, D = k.shape
+            if self.query_moment is None:
+                self.key_factor = mx.broadcast_to(mx.eye(D), (B, H, D, D))
+            else:
+                self.key_factor = rounding_factor(
+                    self._stored_moment(self.query_moment)
+                )
+            self.query_moment = None
+        return self._split(self.key_factor)
+
+    def _stored_moment(self, m: mx.array) -> mx.array:
+        """A second moment of unrotated queries, m [B, H, D, D], as the stored
+        keys meet them: M^T S^-1 m S^-1 M, S the key scales, M the rotation."""
+        m = m.astype(mx.float32)
+        if self.key_scale is not None:
+            inv = 1.0 / self.key_scale
+            m = m * inv[..., :, None] * inv[..., None, :]
+        if self.signs is None:
+            return m
+        return rotate(rotate(m, self.signs).swapaxes(-1, -2), self.signs)
 
     def _keys_in(self, k: mx.array) -> mx.array:
         """Unrotated keys [B, H, n, D] as stored: scaled (query-aware, the
@@ -674,8 +798,8 @@ class QuantizedStore:
         if self.signs is not None and k.shape[2]:  # unrotated rows in, as `append`
             k, v = self._keys_in(k), rotate(v, self.signs)
         split = zip(self.parts, *(self._split(x) for x in (k, v, exact, gid, src)))
-        for part, kh, vh, eh, gh, sh in split:
-            part.rebuild(kh, vh, eh, gh, sh)
+        for (part, kh, vh, eh, gh, sh), fh in zip(split, self._factors(k)):
+            part.rebuild(kh, vh, eh, gh, sh, fh)
 
     def kept_rows(self, n: int) -> int:
         """The rows `truncate` keeps to hold the first n: the sinks exactly,
@@ -708,8 +832,10 @@ class QuantizedStore:
             self.sinks,
             self.key_bits,
             self.query_aware,
+            self.rounds,
         )
         new.key_scale, new.query_power = self.key_scale, self.query_power
+        new.key_factor, new.query_moment = self.key_factor, self.query_moment
         new.sink_k, new.sink_v = self.sink_k, self.sink_v
         for src, dst in zip(self.parts, new.parts):
             dst.load(src.state("p"), "p")
@@ -717,7 +843,9 @@ class QuantizedStore:
 
     def arrays(self) -> list[mx.array]:
         sink = [] if self.sink_k is None else [self.sink_k, self.sink_v]
-        return sink + [a for part in self.parts for a in part.arrays()]
+        # the rounding factor is per sequence, D x D per head: counted as held
+        factor = [] if self.key_factor is None else [self.key_factor]
+        return sink + factor + [a for part in self.parts for a in part.arrays()]
 
     @property
     def nbytes(self) -> int:
@@ -739,6 +867,8 @@ class QuantizedStore:
             st["q.key_bits"] = mx.array([self.key_bits], dtype=mx.int32)
         if self.key_scale is not None:
             st["q.key_scale"] = self.key_scale
+        if self.key_factor is not None:
+            st["q.key_factor"] = self.key_factor
         if self.sink_k is not None:
             st["q.sink_k"], st["q.sink_v"] = self.sink_k, self.sink_v
         for w, part in zip(self.widths, self.parts):
@@ -747,7 +877,12 @@ class QuantizedStore:
 
     @classmethod
     def from_state(
-        cls, st: dict, group: int, sinks: int = 0, query_aware: bool = False
+        cls,
+        st: dict,
+        group: int,
+        sinks: int = 0,
+        query_aware: bool = False,
+        rounds: bool = False,
     ) -> QuantizedStore | None:
         if "q.bits" not in st:
             return None
@@ -770,8 +905,10 @@ class QuantizedStore:
             sinks,
             key_bits,
             query_aware,
+            rounds,
         )
         store.key_scale = st.get("q.key_scale")
+        store.key_factor = st.get("q.key_factor")
         store.sink_k, store.sink_v = st.get("q.sink_k"), st.get("q.sink_v")
         if store.sink_rows > sinks:
             raise ValueError(
