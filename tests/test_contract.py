@@ -59,6 +59,13 @@ ROTATED = [
         dict(SNAPKV_KV2, kv_rotate="query"),
         "snapkv-kv2-query",
     ),
+    # keys rounded with error feedback weighed by the queries to come
+    (
+        "kivi",
+        dict(bits=2, residual=4, kv_rotate="query", kv_round="query"),
+        "kivi-round",
+    ),
+    ("snapkv", dict(SNAPKV_KV2, kv_round="query"), "snapkv-kv2-round"),
     (
         "snapkv",
         dict(SNAPKV_KV2, kv_rotate="hadamard", kv_keys="token", kv_scales="float16"),

@@ -183,7 +183,14 @@ class EvictionOptions(CacheOptions):
             self.kv_dense,
         )
         check_qjl(self.kv_qjl, self.kv_bits, self.kv_keys, self.kv_grid, "kv_")
-        check_round(self.kv_round, self.kv_bits, self.kv_keys, self.kv_grid, "kv_")
+        check_round(
+            self.kv_round,
+            self.kv_bits,
+            self.kv_keys,
+            self.kv_grid,
+            self.kv_debias,
+            "kv_",
+        )
         check_key_bits(self.kv_key_bits, self.kv_bits, self.kv_qjl, self.kv_grid, "kv_")
         check_int("sinks", self.sinks, 0)
         self.kv_sinks = dense_sinks(self.kv_sinks, self.kv_rotate, self.kv_bits)

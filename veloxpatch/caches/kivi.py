@@ -83,7 +83,9 @@ class KIVIOptions(CacheOptions):
             self.kv_grid, self.bits, self.group, "", self.kv_scales, self.kv_dense
         )
         check_qjl(self.kv_qjl, self.bits, self.kv_keys, self.kv_grid)
-        check_round(self.kv_round, self.bits, self.kv_keys, self.kv_grid)
+        check_round(
+            self.kv_round, self.bits, self.kv_keys, self.kv_grid, self.kv_debias
+        )
         check_key_bits(self.key_bits, self.bits, self.kv_qjl, self.kv_grid)
         self.kv_sinks = dense_sinks(self.kv_sinks, self.kv_rotate, self.bits)
         self.kv_debias = logit_debias(

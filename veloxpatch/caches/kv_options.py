@@ -115,10 +115,11 @@ def check_grid(
         )
 
 
-def check_round(rounding, bits, keys, grid, prefix: str = "") -> None:
+def check_round(rounding, bits, keys, grid, debias, prefix: str = "") -> None:
     """`kv_round`: "nearest" or "query" (keys rounded with error feedback
     weighed by the queries to come, `quantized.py`): on keys per channel, on
-    a grid set before rounding (minmax or gaussian)."""
+    a grid set before rounding (minmax or gaussian), without kv_debias (whose
+    correction is nearest rounding's error)."""
     check_choice("kv_round", rounding, ROUNDINGS)
     if rounding == "nearest":
         return
@@ -126,6 +127,11 @@ def check_round(rounding, bits, keys, grid, prefix: str = "") -> None:
         raise OptionError(
             f"kv_round={rounding!r} needs {prefix}bits with kv_keys='channel' and "
             f"kv_grid 'minmax' or 'gaussian' (got {bits!r}, {keys!r}, {grid!r})"
+        )
+    if debias:
+        raise OptionError(
+            f"kv_round={rounding!r} and kv_debias: the debiasing subtracts nearest "
+            "rounding's error variance, which the feedback reshapes"
         )
 
 
