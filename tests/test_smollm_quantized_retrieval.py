@@ -97,3 +97,34 @@ def test_three_bit_keys_bring_rotated_two_bit_rows_closer_to_the_model(loaded):
     assert kl[3] < 0.5 * kl[None]
     assert held[3].kw.nbytes * 2 == held[None].kw.nbytes * 3
     assert held[3].vw.nbytes == held[None].vw.nbytes
+
+
+@smollm
+def test_keys_rounded_for_the_queries_bring_2_bit_rows_closer_to_the_model(loaded):
+    # kv_round="query" on real text, the prompt read in chunks (the factor is
+    # set from the first chunk's queries), then a teacher-forced continuation
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxpatch.eval.metrics import agreement_and_kl, teacher_forced
+
+    model, tokenizer = loaded
+    ids = prose_tokens(tokenizer, 640, start=33000)
+    context, cont = mx.array(ids[:576]), ids[576:]
+
+    def logprobs(caches):
+        for start in range(0, 512, 256):
+            model(context[None, start : start + 256], cache=caches)
+        logits = model(context[None, 512:], cache=caches)[0, -1]
+        return teacher_forced(model, caches, logits, cont)
+
+    ref = logprobs(make_prompt_cache(model))
+    kl = {}
+    for rounding in ("nearest", "query"):
+        opts = dict(bits=2, residual=16, kv_rotate="query", kv_round=rounding)
+        with veloxpatch.patched(model, "kivi", **opts) as patch:
+            caches = patch.make_cache()
+            kl[rounding] = agreement_and_kl(logprobs(caches), ref)[1]
+            factor = caches[0].store.key_factor
+        assert (factor is None) == (rounding == "nearest")
+    print(kl)
+    assert kl["query"] < 0.7 * kl["nearest"]

@@ -60,6 +60,22 @@ sum(var) x sum(E q^2)). `key_scales` takes E[q_c^2] from the queries the
 cache saw before its first group was quantized (the prompt's own) and var_c
 from that group's rows; fixed from then on and saved with the state.
 
+Rounding for the queries (`rounds`, kv_round="query"): nearest rounding
+spreads a key's error evenly, but a logit sees q . e, and queries look along
+few directions. With H = E[q q^T] of the queries to come (as stored: scaled
+and rotated), each key is rounded channel by channel on its group's grid and
+each error is fed forward to the key's later channels by GPTQ's rule (Frantar
+et al., 2023; U the upper Cholesky factor of H^-1): e^T H e, the expected
+squared logit error, is what the feedback keeps small. H is the prompt's own
+pre-RoPE queries' second moment (every query seen before the first group is
+quantized), moved by the layer's rope to each of the next `FUTURE_QUERIES`
+positions and averaged (`future_moment`): post-RoPE queries turn with their
+position, so the prompt's queries at their own positions would weigh the
+wrong directions of the slow-turning channels. U [B, H, D, D] is fixed from
+then on, saved with the state and counted in the bytes held (D^2 floats per
+KV head: 16 KB at D 64). The codes stay on the group's grid: the kernels and
+the layout are unchanged.
+
 Sinks (`sinks=N`, kivi's `kv_sinks`): the store's first N rows (the first
 tokens, where attention sinks its surplus) are held dense and unrotated ahead of
 the quantized groups. Their keys are outliers that take a group's scale, and
