@@ -18,10 +18,12 @@ from veloxpatch.caches.quantized import (
     QuantizedStore,
     feedback_quantize,
     future_moment,
+    pack_factor,
     quantize,
     rotation_at,
     rotation_signs,
     rounding_factor,
+    unpack_factor,
 )
 from veloxpatch.errors import OptionError
 
@@ -63,6 +65,19 @@ def test_rounding_factor_is_the_upper_cholesky_factor_of_the_inverse():
     ] * mx.eye(D)
     assert rel(u.swapaxes(-1, -2) @ u @ damped, mx.eye(D)) < 1e-3
     assert float(mx.abs(mx.tril(u, -1)).max()) == 0.0
+
+
+def test_the_factor_is_held_as_its_rows_strict_upper_triangle():
+    u = rounding_factor(moment(rank=D))
+    packed = pack_factor(u)
+    assert packed.shape == (1, 2, D * (D - 1) // 2) and packed.dtype == mx.float16
+    rows = u / mx.diagonal(u, axis1=-2, axis2=-1)[..., None]
+    assert rel(unpack_factor(packed, D), rows) < 1e-3
+    # the feedback reads the rows only: U itself or its packed rows round alike
+    k = mx.random.normal((1, 2, 64, D), key=mx.random.key(9))
+    a = feedback_quantize(k, GROUP, 2, "minmax", None, u)
+    b = feedback_quantize(k, GROUP, 2, "minmax", None, unpack_factor(packed, D))
+    assert (np.array(a[0]) == np.array(b[0])).mean() > 0.99
 
 
 @pytest.mark.parametrize("grid", ["minmax", "gaussian"])
@@ -132,7 +147,8 @@ def test_the_factor_is_set_once_from_the_prompt_saved_and_counted(tmp_path):
             assert mx.array_equal(a.store.key_factor, b.store.key_factor)
         before = caches[0].nbytes
         factor = caches[0].store.key_factor
-        assert factor.shape == (1, caches[0].keys.shape[1], D, D)
+        assert factor.shape == (1, caches[0].keys.shape[1], D * (D - 1) // 2)
+        assert factor.dtype == mx.float16
         veloxpatch.save_cache(tmp_path / "late.safetensors", caches)
         late = veloxpatch.load_cache(tmp_path / "late.safetensors")
         step = prompt_tokens(40, seed=4)[None]

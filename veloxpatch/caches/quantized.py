@@ -72,8 +72,10 @@ quantized), moved by the layer's rope to each of the next `FUTURE_QUERIES`
 positions and averaged (`future_moment`): post-RoPE queries turn with their
 position, so the prompt's queries at their own positions would weigh the
 wrong directions of the slow-turning channels. U [B, H, D, D] is fixed from
-then on, saved with the state and counted in the bytes held (D^2 floats per
-KV head: 16 KB at D 64). The codes stay on the group's grid: the kernels and
+then on, saved with the state and counted in the bytes held: its rows over
+their diagonal, the strict upper triangle in fp16 (`pack_factor`: 4,032 bytes
+a KV head at D 64, as much as 63 rows of 2-bit keys and values with fp32
+scales). The codes stay on the group's grid: the kernels and
 the layout are unchanged.
 
 Sinks (`sinks=N`, kivi's `kv_sinks`): the store's first N rows (the first
@@ -342,6 +344,29 @@ def rounding_factor(h: mx.array) -> mx.array:
     return mx.linalg.cholesky(inv, upper=True, stream=mx.cpu)
 
 
+@functools.cache
+def _strict_upper(dim: int) -> mx.array:
+    """Flat indices of a dim x dim matrix's strict upper triangle."""
+    i, j = np.triu_indices(dim, 1)
+    return mx.array(i * dim + j)
+
+
+def pack_factor(u: mx.array) -> mx.array:
+    """U [B, H, D, D] as the store holds it: its rows over their diagonal (all
+    the feedback reads), the strict upper triangle in fp16, [B, H, D(D-1)/2]."""
+    B, H, D, _ = u.shape
+    rows = u / mx.diagonal(u, axis1=-2, axis2=-1)[..., None]
+    return rows.reshape(B, H, D * D)[..., _strict_upper(D)].astype(mx.float16)
+
+
+def unpack_factor(packed: mx.array, dim: int) -> mx.array:
+    """`pack_factor`'s rows back as a unit upper triangular [B, H, D, D]."""
+    B, H, _ = packed.shape
+    flat = mx.zeros((B, H, dim * dim), dtype=mx.float32)
+    flat[..., _strict_upper(dim)] = packed.astype(mx.float32)
+    return flat.reshape(B, H, dim, dim) + mx.eye(dim)
+
+
 def qjl_matrix(dim: int, layer: int) -> mx.array:
     """TurboQuant's QJL projection S [dim, dim], i.i.d. N(0, 1), seeded by the
     layer (a cache's state stores it, as the rotation's signs)."""
@@ -607,7 +632,7 @@ class QuantizedStore:
     before the rotation (module doc), set from `query_power` (the cache's mean
     squared queries) when the first group is quantized. `rounds`: keys per
     channel rounded with error feedback (kv_round="query", module doc) by
-    `key_factor` [B, H, D, D], set from `query_moment` (the second moment of
+    `key_factor` (`pack_factor`'s), set from `query_moment` (the second moment of
     the cache's post-RoPE queries to come, unrotated) when the first group is
     quantized."""
 
@@ -697,16 +722,15 @@ class QuantizedStore:
         when no query was seen)."""
         if not self.rounds:
             return [None] * len(self.parts)
+        B, H, _, D = k.shape
         if self.key_factor is None:
-            B, H, _, D = k.shape
             if self.query_moment is None:
-                self.key_factor = mx.broadcast_to(mx.eye(D), (B, H, D, D))
+                self.key_factor = mx.zeros((B, H, D * (D - 1) // 2), mx.float16)
             else:
-                self.key_factor = rounding_factor(
-                    self._stored_moment(self.query_moment)
-                )
+                u = rounding_factor(self._stored_moment(self.query_moment))
+                self.key_factor = pack_factor(u)
             self.query_moment = None
-        return self._split(self.key_factor)
+        return self._split(unpack_factor(self.key_factor, D))
 
     def _stored_moment(self, m: mx.array) -> mx.array:
         """A second moment of unrotated queries, m [B, H, D, D], as the stored
@@ -869,7 +893,7 @@ class QuantizedStore:
 
     def arrays(self) -> list[mx.array]:
         sink = [] if self.sink_k is None else [self.sink_k, self.sink_v]
-        # the rounding factor is per sequence, D x D per head: counted as held
+        # the rounding factor is per sequence, D(D-1)/2 per head: counted as held
         factor = [] if self.key_factor is None else [self.key_factor]
         return sink + factor + [a for part in self.parts for a in part.arrays()]
 
