@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from tiny import prompt_tokens, tiny_model
 
@@ -30,6 +31,12 @@ def greedy(model, prompt, n: int = 16, prefill_step_size: int = 7, prompt_cache=
 
 def max_abs(a: mx.array, b: mx.array) -> float:
     return mx.abs(a - b).max().item()
+
+
+def rel(a, b) -> float:
+    """Largest absolute difference over b's largest magnitude (float64)."""
+    a, b = np.array(a, np.float64), np.array(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def step_peak(layers: int, algo: str, opts: dict, steps: int = 1) -> int:

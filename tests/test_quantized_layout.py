@@ -5,6 +5,7 @@ masks until compaction."""
 
 import mlx.core as mx
 import pytest
+from helpers import rel
 from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
@@ -12,10 +13,6 @@ from veloxpatch.api import make_options
 from veloxpatch.caches.kivi import KIVICache, KIVIOptions
 from veloxpatch.caches.quantized import QuantizedRows
 from veloxpatch.caches.storage import PAD_POSITION
-
-
-def rel(a, b) -> float:
-    return (mx.abs(a - b).max() / mx.maximum(mx.abs(b).max(), 1e-30)).item()
 
 
 def dense_slots(view):

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import rel
 from mlx_lm.models import cache as mlx_cache
 from tiny import prompt_tokens, tiny_model
 
@@ -28,11 +29,6 @@ from veloxpatch.caches.quantized import (
 from veloxpatch.errors import OptionError
 
 D, GROUP = 64, 32
-
-
-def rel(a, b):
-    a, b = np.array(a, np.float64), np.array(b, np.float64)
-    return np.abs(a - b).max() / np.abs(b).max()
 
 
 def moment(n_heads=2, seed=0, rank=6):

@@ -8,7 +8,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import greedy
+from helpers import greedy, rel
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import make_prompt_cache
 from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
@@ -25,11 +25,6 @@ from veloxpatch.caches.quantized import (
 from veloxpatch.errors import OptionError
 
 D, GROUP = 64, 32
-
-
-def rel(a, b):
-    a, b = np.array(a, np.float64), np.array(b, np.float64)
-    return np.abs(a - b).max() / np.abs(b).max()
 
 
 def test_rotation_is_orthogonal_and_seeded_per_layer():

@@ -70,61 +70,52 @@ def test_query_aware_codebook_beats_plain_k_means_on_smollm(loaded):
     assert means[True]["error"] < means[False]["error"]
 
 
-@smollm
-def test_three_bit_keys_bring_rotated_two_bit_rows_closer_to_the_model(loaded):
-    # At 2 bits the keys' rounding carries most of the KL (docs/results.md):
-    # keys at 3 bits cut it several-fold on real text; their codes weigh 1.5x.
+def kivi_continuation_kl(model, tokenizer, start, option_sets, chunk=576):
+    """KL(full || kivi) of a 64-token continuation teacher-forced after 576
+    tokens of prose from `start` (read in calls of `chunk`), for each of the
+    kivi option sets, with each run's first-layer cache."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from veloxpatch.eval.metrics import agreement_and_kl, teacher_forced
 
-    model, tokenizer = loaded
-    ids = prose_tokens(tokenizer, 640, start=21000)
+    ids = prose_tokens(tokenizer, 640, start=start)
     context, cont = mx.array(ids[:576]), ids[576:]
 
     def logprobs(caches):
-        logits = model(context[None], cache=caches)[0, -1]
-        return teacher_forced(model, caches, logits, cont)
+        for first in range(0, 575, chunk):
+            logits = model(context[None, first : first + chunk], cache=caches)
+        return teacher_forced(model, caches, logits[0, -1], cont)
 
     ref = logprobs(make_prompt_cache(model))
-    kl, held = {}, {}
-    for key_bits in (None, 3):
-        opts = dict(bits=2, key_bits=key_bits, residual=16, kv_rotate="hadamard")
+    out = []
+    for opts in option_sets:
         with veloxpatch.patched(model, "kivi", **opts) as patch:
             caches = patch.make_cache()
-            kl[key_bits] = agreement_and_kl(logprobs(caches), ref)[1]
-            held[key_bits] = caches[0].store.parts[0]
-    assert kl[3] < 0.5 * kl[None]
-    assert held[3].kw.nbytes * 2 == held[None].kw.nbytes * 3
-    assert held[3].vw.nbytes == held[None].vw.nbytes
+            out.append((agreement_and_kl(logprobs(caches), ref)[1], caches[0]))
+    return out
+
+
+@smollm
+def test_three_bit_keys_bring_rotated_two_bit_rows_closer_to_the_model(loaded):
+    # At 2 bits the keys' rounding carries most of the KL (docs/results.md):
+    # keys at 3 bits cut it several-fold on real text; their codes weigh 1.5x.
+    opts = dict(bits=2, residual=16, kv_rotate="hadamard")
+    (kl2, c2), (kl3, c3) = kivi_continuation_kl(
+        *loaded, 21000, [opts, dict(opts, key_bits=3)]
+    )
+    assert kl3 < 0.5 * kl2
+    held2, held3 = c2.store.parts[0], c3.store.parts[0]
+    assert held3.kw.nbytes * 2 == held2.kw.nbytes * 3
+    assert held3.vw.nbytes == held2.vw.nbytes
 
 
 @smollm
 def test_keys_rounded_for_the_queries_bring_2_bit_rows_closer_to_the_model(loaded):
     # kv_round="query" on real text, the prompt read in chunks (the factor is
     # set from the first chunk's queries), then a teacher-forced continuation
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from veloxpatch.eval.metrics import agreement_and_kl, teacher_forced
-
-    model, tokenizer = loaded
-    ids = prose_tokens(tokenizer, 640, start=33000)
-    context, cont = mx.array(ids[:576]), ids[576:]
-
-    def logprobs(caches):
-        for start in range(0, 512, 256):
-            model(context[None, start : start + 256], cache=caches)
-        logits = model(context[None, 512:], cache=caches)[0, -1]
-        return teacher_forced(model, caches, logits, cont)
-
-    ref = logprobs(make_prompt_cache(model))
-    kl = {}
-    for rounding in ("nearest", "query"):
-        opts = dict(bits=2, residual=16, kv_rotate="query", kv_round=rounding)
-        with veloxpatch.patched(model, "kivi", **opts) as patch:
-            caches = patch.make_cache()
-            kl[rounding] = agreement_and_kl(logprobs(caches), ref)[1]
-            factor = caches[0].store.key_factor
-        assert (factor is None) == (rounding == "nearest")
-    print(kl)
-    assert kl["query"] < 0.7 * kl["nearest"]
+    opts = dict(bits=2, residual=16, kv_rotate="query")
+    (nearest, c1), (rounded, c2) = kivi_continuation_kl(
+        *loaded, 33000, [opts, dict(opts, kv_round="query")], chunk=256
+    )
+    assert c1.store.key_factor is None and c2.store.key_factor is not None
+    assert rounded < 0.7 * nearest
