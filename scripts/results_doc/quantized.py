@@ -322,7 +322,7 @@ def rotated() -> list[str]:
         t = {r["arm"]: r for r in res["continuation"]["table"]}
         lines += _continuation_run(name, res, PPL_KEYS + ["text"])
         findings += _rotation_findings(res["config"].get("text") or "evaluation", t)
-    grids = _grid_study()
+    grids = _grid_study() + _rounding_moments()
     evicting = _evicting_sinks()
     return (
         lines
@@ -780,6 +780,37 @@ def _debias_prefill() -> list[str]:
     ]
 
 
+def _rounding_moments() -> list[str]:
+    """scripts/key_rounding_study.py: the attention KL of 2-bit keys rounded
+    with each choice of query moment."""
+    name = "key_rounding_study"
+    if not (rm.RESULTS / f"{name}.json").exists():
+        return []
+    res = load(name)
+    cfg = res["config"]
+    body = [[r["moment"], f"{r['kl']:.4f}"] for r in res["table"]]
+    keys = ["context", "continuation", "segments", "bits", "newest", "text", "out"]
+    return [
+        "Which query moment the feedback weighs (`scripts/key_rounding_study.py`):"
+        f" SmolLM2's own keys and queries, {cfg['context']:,}-token contexts "
+        f"({cfg['segments']}, prose `{cfg['text']}`), the context's keys at "
+        f'{cfg["bits"]} bits as `kv_rotate="query"` stores them, each rounded '
+        "with H from: nothing (nearest), the context's post-RoPE queries at "
+        f"their own positions, its newest {cfg['newest']}, its pre-RoPE queries "
+        'moved by the rope to the next 512 positions (`kv_round="query"`), and '
+        f"the {cfg['continuation']} later queries themselves (the oracle); KL of "
+        "those later queries' attention, exact keys against quantized, mean over "
+        "layers and query heads (values exact):",
+        "",
+        meta(name, res),
+        "",
+        *table(["H from", "attention KL"], body),
+        "",
+        *command(".venv/bin/python scripts/key_rounding_study.py", cfg, keys),
+        "",
+    ]
+
+
 def _rotated_decode_alone() -> list[str]:
     """Rotated arms from scripts/bench_decode.py: decode only, more repeats."""
     intros = {
@@ -794,6 +825,9 @@ def _rotated_decode_alone() -> list[str]:
         "bench_debias_decode": "Debiased logits (`kv_debias`): one matmul of "
         "squared queries by squared key scales and an add over the logits, per "
         "call:",
+        "bench_round_decode": 'Keys rounded for the queries (`kv_round="query"`):'
+        " reads are unchanged, each flush of 32 rows rounds a layer's keys in 64 "
+        "sequential steps (a compiled loop):",
     }
     out = []
     for name, why, res in _present(intros):
