@@ -321,7 +321,46 @@ def _debias_summary() -> str:
         )
     return (
         f" `kv_debias` (logits less the keys' rounding noise): KL {at}, lean "
-        f"{lean}{passkey}."
+        f"{lean}{passkey}.{_round_summary()}"
+    )
+
+
+ROUNDED = "kivi:bits=2,kv_rotate=query,kv_round=query"
+ROUNDED_LEAN = QUERY_LEAN.replace("kv_rotate=query,", "kv_rotate=query,kv_round=query,")
+
+
+def _round_summary() -> str:
+    """Keys rounded for the queries: KL of the query rows with and without it
+    (same run) on both proses, the lean rows and 3 bits with it; passkey summed
+    over its six seeds against the rows without it and full."""
+    names = ("quantizer_round_evaluation", "quantizer_round_licenses")
+    if not all((rm.RESULTS / f"{n}.json").exists() for n in names):
+        return ""
+    tables = [by_key(load(n)["table"]) for n in names]
+    plain = ROUNDED.replace(",kv_round=query", "")
+    at = " and ".join(f"{t[plain]['kl']:.3f} to {t[ROUNDED]['kl']:.3f}" for t in tables)
+    m4 = tables[0]["mlx.quantized:kv_bits=4"]["kv_bytes"]
+    ratio = tables[0][ROUNDED_LEAN]["kv_bytes"] / m4
+    lean = " and ".join(f"{t[ROUNDED_LEAN]['kl']:.3f}" for t in tables)
+    three = ROUNDED.replace("bits=2", "bits=3")
+    three_kl = " and ".join(f"{t[three]['kl']:.4f}" for t in tables)
+    sums: dict[str, list[int]] = {}
+    for seed in range(6, 12):
+        name = f"passkey_round_seed{seed}"
+        if (rm.RESULTS / f"{name}.json").exists():
+            for r in load(name)["passkey"]["table"]:
+                got = sums.setdefault(r["arm"], [0, 0])
+                got[0], got[1] = got[0] + r["correct"], got[1] + r["cases"]
+    passkey = ""
+    if sums.get(ROUNDED):
+        ok, n = sums[ROUNDED]
+        passkey = (
+            f"; passkey {ok}/{n} ({sums[plain][0]}/{n} without, full "
+            f"{sums['full'][0]}/{n})"
+        )
+    return (
+        f' `kv_round="query"` (keys rounded for the queries to come): KL {at}, '
+        f"lean {lean} at {ratio:.3f}x, 3-bit {three_kl}{passkey}."
     )
 
 

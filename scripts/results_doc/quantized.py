@@ -617,6 +617,10 @@ def _rotated_passkey() -> list[str]:
         '"query"`) against the query-scaled rows without it and full, on six '
         "seeds no choice saw (`--seed 6` to `11`):",
         **{f"passkey_round_seed{s}": "" for s in range(7, 12)},
+        "passkey_round_seen_seed0": "The rounded rows alone on the cases of the "
+        "debiased tables (`--seed 0` to `5`, where full answered 120/120 and the "
+        "query-scaled rows without it 118/120):",
+        **{f"passkey_round_seen_seed{s}": "" for s in range(1, 6)},
     }
     out = []
     for name, intro, res in _present(intros):
@@ -638,7 +642,9 @@ def _rotated_passkey() -> list[str]:
     debiased = "The debiased runs together, six seeds"
     out += pooled + _rotated_passkey_pooled(DEBIAS_SEEDS, debiased)
     rounded = "The runs with keys rounded for the queries together, six seeds"
-    return out + _rotated_passkey_pooled(ROUND_SEEDS, rounded)
+    out += _rotated_passkey_pooled(ROUND_SEEDS, rounded)
+    seen = "The rounded rows on the debiased tables' cases together"
+    return out + _rotated_passkey_pooled(ROUND_SEEN_SEEDS, seen)
 
 
 POOLED_SEEDS = ("passkey_query", "passkey_query_seed1")
@@ -647,6 +653,7 @@ POOLED_SEEDS += ("passkey_key_bits", "passkey_key_bits_seed1")
 POOLED_SEEDS += ("passkey_key_bits_seed2", "passkey_key_bits_seed3")
 DEBIAS_SEEDS = tuple(f"passkey_debias_seed{s}" for s in range(6))
 ROUND_SEEDS = tuple(f"passkey_round_seed{s}" for s in range(6, 12))
+ROUND_SEEN_SEEDS = tuple(f"passkey_round_seen_seed{s}" for s in range(6))
 
 
 def _rotated_passkey_pooled(seeds, lead: str) -> list[str]:
@@ -684,9 +691,15 @@ def _rotated_passkey_pooled(seeds, lead: str) -> list[str]:
         "",
         *table(["arm", "answers", "runs"], body),
         "",
-        "The wrong answers (number → what the model said):",
-        "",
-        *[f"- `{arm}`: {'; '.join(said)}" for arm, said in wrong.items()],
+        *(
+            [
+                "The wrong answers (number → what the model said):",
+                "",
+                *[f"- `{arm}`: {'; '.join(said)}" for arm, said in wrong.items()],
+            ]
+            if wrong
+            else ["No wrong answers."]
+        ),
         "",
     ]
 
