@@ -315,14 +315,8 @@ def _debias_summary() -> str:
     passkey = ""
     if sums.get(DEBIAS):
         ok, n = sums[DEBIAS]
-        passkey = (
-            f"; passkey {ok}/{n} ({sums[plain][0]}/{n} without, full "
-            f"{sums['full'][0]}/{n}: no better)"
-        )
-    return (
-        f" `kv_debias` (logits less the keys' rounding noise): KL {at}, lean "
-        f"{lean}{passkey}.{_round_summary()}"
-    )
+        passkey = f"; passkey no better ({ok}/{n}, {sums[plain][0]}/{n} without)"
+    return f" `kv_debias`: KL {at}, lean {lean}{passkey}.{_round_summary()}"
 
 
 ROUNDED = "kivi:bits=2,kv_rotate=query,kv_round=query"
@@ -344,23 +338,23 @@ def _round_summary() -> str:
     lean = " and ".join(f"{t[ROUNDED_LEAN]['kl']:.3f}" for t in tables)
     three = ROUNDED.replace("bits=2", "bits=3")
     three_kl = " and ".join(f"{t[three]['kl']:.4f}" for t in tables)
-    sums: dict[str, list[int]] = {}
-    for seed in range(6, 12):
-        name = f"passkey_round_seed{seed}"
-        if (rm.RESULTS / f"{name}.json").exists():
-            for r in load(name)["passkey"]["table"]:
-                got = sums.setdefault(r["arm"], [0, 0])
-                got[0], got[1] = got[0] + r["correct"], got[1] + r["cases"]
-    passkey = ""
-    if sums.get(ROUNDED):
-        ok, n = sums[ROUNDED]
-        passkey = (
-            f"; passkey {ok}/{n} ({sums[plain][0]}/{n} without, full "
-            f"{sums['full'][0]}/{n})"
-        )
+    passkey = []
+    for runs in ("passkey_round_seed{}", "passkey_round_seen_seed{}"):
+        sums: dict[str, list[int]] = {}
+        for seed in range(12):
+            name = runs.format(seed)
+            if (rm.RESULTS / f"{name}.json").exists():
+                for r in load(name)["passkey"]["table"]:
+                    got = sums.setdefault(r["arm"], [0, 0])
+                    got[0], got[1] = got[0] + r["correct"], got[1] + r["cases"]
+        if sums.get(ROUNDED):
+            ok, n = sums[ROUNDED]
+            without = f"{sums[plain][0]} without, " if plain in sums else ""
+            passkey.append(f"{ok}/{n} ({without}full {sums['full'][0]})")
+    got = f"; passkey {' and '.join(passkey)}" if passkey else ""
     return (
         f' `kv_round="query"` (keys rounded for the queries to come): KL {at}, '
-        f"lean {lean} at {ratio:.3f}x, 3-bit {three_kl}{passkey}."
+        f"lean {lean} at {ratio:.3f}x, 3-bit {three_kl}{got}."
     )
 
 
