@@ -317,7 +317,10 @@ def test_a_client_that_leaves_stops_its_generation_and_frees_its_kv(server, stre
 
 def in_flight(server, stream, results, headers_in=None):
     body = {**LONG, "max_tokens": 2000, "stream": stream}
-    results[stream] = server.post(body, headers_in=headers_in)
+    try:
+        results[stream] = server.post(body, headers_in=headers_in)
+    except OSError as e:  # asserted in the test's thread, not raised in this one
+        results[stream] = (None, repr(e))
 
 
 @smollm

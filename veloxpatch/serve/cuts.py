@@ -119,10 +119,13 @@ class CuttableGenerator(ResponseGenerator):
                     watch.tokens += 1
             return item
 
-    def stop_and_join(self, grace_s: float = 1.0):
+    def stop_and_join(self, grace_s: float = 2.0):
         """mlx-lm calls this once serving stops: cut every request (each
         thread answers its client), then stop the generation thread, waiting
-        at most `grace_s` in all; `run` exits even if a step still runs."""
+        at most `grace_s` in all; `run` exits even if a step still runs.
+        Answers get all but the last 0.5 s: on a loaded machine a request's
+        thread took longer than 0.5 s to answer, and its client saw the
+        connection dropped instead of the 503."""
         deadline = time.monotonic() + grace_s
         self.stopping.set()
         while self._watched and time.monotonic() < deadline - 0.5:
