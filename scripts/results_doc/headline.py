@@ -294,6 +294,18 @@ DEBIAS_LEAN = DEBIAS.replace("bits=2,", "bits=2,group=64,").replace(
 )
 
 
+def passkey_sums(names) -> dict[str, list[int]]:
+    """Each arm's [correct, cases] summed over the passkey files of `names`
+    that exist."""
+    sums: dict[str, list[int]] = {}
+    for name in names:
+        if (rm.RESULTS / f"{name}.json").exists():
+            for r in load(name)["passkey"]["table"]:
+                got = sums.setdefault(r["arm"], [0, 0])
+                got[0], got[1] = got[0] + r["correct"], got[1] + r["cases"]
+    return sums
+
+
 def _debias_summary() -> str:
     """Debiased query rows: KL at the default layout (against the same rows
     without it, same run) and the lean one on both proses; passkey pooled over
@@ -305,13 +317,7 @@ def _debias_summary() -> str:
     plain = DEBIAS.replace("kv_debias=True,", "")
     at = " and ".join(f"{t[plain]['kl']:.3f} to {t[DEBIAS]['kl']:.3f}" for t in tables)
     lean = " and ".join(f"{t[DEBIAS_LEAN]['kl']:.3f}" for t in tables)
-    sums: dict[str, list[int]] = {}
-    for seed in range(6):
-        name = f"passkey_debias_seed{seed}"
-        if (rm.RESULTS / f"{name}.json").exists():
-            for r in load(name)["passkey"]["table"]:
-                got = sums.setdefault(r["arm"], [0, 0])
-                got[0], got[1] = got[0] + r["correct"], got[1] + r["cases"]
+    sums = passkey_sums(f"passkey_debias_seed{seed}" for seed in range(6))
     passkey = ""
     if sums.get(DEBIAS):
         ok, n = sums[DEBIAS]
@@ -340,13 +346,7 @@ def _round_summary() -> str:
     three_kl = " and ".join(f"{t[three]['kl']:.4f}" for t in tables)
     passkey = []
     for runs in ("passkey_round_seed{}", "passkey_round_seen_seed{}"):
-        sums: dict[str, list[int]] = {}
-        for seed in range(12):
-            name = runs.format(seed)
-            if (rm.RESULTS / f"{name}.json").exists():
-                for r in load(name)["passkey"]["table"]:
-                    got = sums.setdefault(r["arm"], [0, 0])
-                    got[0], got[1] = got[0] + r["correct"], got[1] + r["cases"]
+        sums = passkey_sums(runs.format(seed) for seed in range(12))
         if sums.get(ROUNDED):
             ok, n = sums[ROUNDED]
             without = f"{sums[plain][0]} without, " if plain in sums else ""
