@@ -13,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "scripts" / "results"
+PY = ".venv/bin/python"  # how the results pages write a script's command
 # docs/results.md links to the results files relative to itself
 LINK = "../scripts/results"
 # the A2ATS runs' codebook is generated, not committed

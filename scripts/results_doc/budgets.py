@@ -4,6 +4,7 @@ quality against budget up to 1,024 rows, and lookahead."""
 from __future__ import annotations
 
 from results_markdown import (
+    PY,
     command,
     load,
     meta,
@@ -14,7 +15,6 @@ from results_markdown import (
     wilson,
 )
 
-PY = ".venv/bin/python"
 PPL_KEYS = ["arms", "budgets", "context", "continuation", "segments"]
 PPL_KEYS += ["prefill_step_size", "out"]
 PK_KEYS = ["arms", "budgets", "search", "cases", "context", "seed", "prefill_step_size"]

@@ -4,12 +4,11 @@ multi-context run): shown once its results file exists."""
 from __future__ import annotations
 
 import results_markdown as rm
-from results_markdown import LINK, command, load, meta, short, table
+from results_markdown import LINK, PY, command, load, meta, short, table
 
 NAME = "bench_memory_peak"
 # 8,192 tokens again, unpatched and snapkv's two modes, after the attention tiles
 RERUN = "bench_memory_peak_8192"
-PY = ".venv/bin/python"
 TRAINED = 8192  # SmolLM2's trained context: beyond it, memory and speed only
 CHUNKED = ("compress", "chunk")  # the options a prompt-end twin lacks
 KEYS = ["arms", "contexts", "decode_tokens", "prefill_step_size", "out"]

@@ -7,11 +7,10 @@ import re
 import statistics
 
 import results_markdown as rm
-from results_markdown import command, load, meta, table, wilson
+from results_markdown import PY, command, load, meta, table, wilson
 
 from .eval_runs import PPL_KEYS, RENAME, ppl_rows
 
-PY = ".venv/bin/python"
 BENCH_KEYS = ["arms", "contexts", "repeats", "decode_tokens", "out"]
 
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 from statistics import median
 
 import results_markdown as rm
-from results_markdown import load, meta, table
+from results_markdown import PY, command, load, meta, table
+
+# what the bench scripts' commands are rebuilt from (their recorded config)
+SERVE_KEYS = ["concurrency", "prompt_tokens", "max_tokens", "arms", "out"]
+SHARED_KEYS = ["documents", "users", "seed", "system_tokens", "max_tokens", "arms"]
+SHARED_KEYS += ["out"]
 
 BASE = "mlx_lm_unpatched"
 
@@ -82,10 +87,7 @@ def serve_bench() -> list[str]:
             body,
         ),
         "",
-        "    .venv/bin/python scripts/bench_serve.py "
-        f"--concurrency {cfg['concurrency']} "
-        f"--prompt-tokens {cfg['prompt_tokens']} --max-tokens {cfg['max_tokens']} "
-        f"--out {cfg['out']}",
+        *command(f"{PY} scripts/bench_serve.py", cfg, SERVE_KEYS),
         "",
         "; ".join(notes) + ".",
         "",
@@ -159,9 +161,7 @@ def shared_system() -> list[str]:
             body,
         ),
         "",
-        "    .venv/bin/python scripts/bench_shared_system.py "
-        f"--documents {cfg['documents']} --users {cfg['users']} "
-        f"--system-tokens {cfg['system_tokens']} --out {cfg['out']}",
+        *command(f"{PY} scripts/bench_shared_system.py", cfg, SHARED_KEYS),
         "",
         "; ".join(notes) + ".",
         "",
@@ -213,11 +213,6 @@ def shared_system_quality() -> list[str]:
     lines += table(["arm", "number (last user)", "documents missed (seed:index)"], body)
     lines.append("")
     for res in runs:
-        c = res["config"]
-        lines.append(
-            "    .venv/bin/python scripts/bench_shared_system.py "
-            f"--documents {c['documents']} --users {c['users']} --seed {c['seed']} "
-            f"--system-tokens {c['system_tokens']} --arms {c['arms']} "
-            f"--out {c['out']}"
-        )
-    return [*lines, ""]
+        prog = f"{PY} scripts/bench_shared_system.py"
+        lines += [*command(prog, res["config"], SHARED_KEYS), ""]
+    return lines
