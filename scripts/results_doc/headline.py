@@ -294,6 +294,21 @@ DEBIAS_LEAN = DEBIAS.replace("bits=2,", "bits=2,group=64,").replace(
 )
 
 
+def both_proses(*names):
+    """The tables (arm -> row) of a study's quantizer_kl files on the two
+    proses, or None until both exist."""
+    if not all((rm.RESULTS / f"{n}.json").exists() for n in names):
+        return None
+    return [by_key(load(n)["table"]) for n in names]
+
+
+def kl_change(tables, before: str, after: str) -> str:
+    """ "KL of `before` to KL of `after`" on each prose, joined by "and"."""
+    return " and ".join(
+        f"{t[before]['kl']:.3f} to {t[after]['kl']:.3f}" for t in tables
+    )
+
+
 def passkey_sums(names) -> dict[str, list[int]]:
     """Each arm's [correct, cases] summed over the passkey files of `names`
     that exist."""
@@ -310,12 +325,13 @@ def _debias_summary() -> str:
     """Debiased query rows: KL at the default layout (against the same rows
     without it, same run) and the lean one on both proses; passkey pooled over
     the six seeds against the rows without it and full."""
-    names = ("quantizer_debias_evaluation", "quantizer_debias_licenses-evaluation")
-    if not all((rm.RESULTS / f"{n}.json").exists() for n in names):
+    tables = both_proses(
+        "quantizer_debias_evaluation", "quantizer_debias_licenses-evaluation"
+    )
+    if tables is None:
         return ""
-    tables = [by_key(load(n)["table"]) for n in names]
     plain = DEBIAS.replace("kv_debias=True,", "")
-    at = " and ".join(f"{t[plain]['kl']:.3f} to {t[DEBIAS]['kl']:.3f}" for t in tables)
+    at = kl_change(tables, plain, DEBIAS)
     lean = " and ".join(f"{t[DEBIAS_LEAN]['kl']:.3f}" for t in tables)
     sums = passkey_sums(f"passkey_debias_seed{seed}" for seed in range(6))
     passkey = ""
@@ -333,12 +349,11 @@ def _round_summary() -> str:
     """Keys rounded for the queries: KL of the query rows with and without it
     (same run) on both proses, the lean rows and 3 bits with it; passkey summed
     over its six seeds against the rows without it and full."""
-    names = ("quantizer_round_evaluation", "quantizer_round_licenses")
-    if not all((rm.RESULTS / f"{n}.json").exists() for n in names):
+    tables = both_proses("quantizer_round_evaluation", "quantizer_round_licenses")
+    if tables is None:
         return ""
-    tables = [by_key(load(n)["table"]) for n in names]
     plain = ROUNDED.replace(",kv_round=query", "")
-    at = " and ".join(f"{t[plain]['kl']:.3f} to {t[ROUNDED]['kl']:.3f}" for t in tables)
+    at = kl_change(tables, plain, ROUNDED)
     m4 = tables[0]["mlx.quantized:kv_bits=4"]["kv_bytes"]
     ratio = tables[0][ROUNDED_LEAN]["kv_bytes"] / m4
     lean = " and ".join(f"{t[ROUNDED_LEAN]['kl']:.3f}" for t in tables)
