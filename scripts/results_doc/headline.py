@@ -14,7 +14,13 @@ from .kvzip_defaults import DEFAULT, NEW_256
 from .peak import NAME as PEAK
 from .peak import RERUN
 from .peers import worse_pairs
-from .quantized import BENCH, decode_ratio
+from .quantized import (
+    BENCH,
+    ROUND_FRESH_SEEDS,
+    ROUND_SEEDS,
+    ROUND_SEEN_SEEDS,
+    decode_ratio,
+)
 
 OURS = ["snapkv", "pyramidkv", "adakv", "h2o", "tova", "keyformer", "streaming_llm"]
 
@@ -178,120 +184,8 @@ def later_bullets() -> list[str]:
             "- `kvzap` (kvzip's scores predicted, no second pass): "
             f"{count(kz)} with the question in the prompt{kl}{cost}{lean}."
         )
-    if (rm.RESULTS / "eval_rotated_kl.json").exists():
-        parts, ratio = [], None
-        for name in ("eval_rotated_kl", "eval_rotated_kl_licenses"):
-            if not (rm.RESULTS / f"{name}.json").exists():
-                continue
-            t = by_key(load(name)["continuation"]["table"])
-            r2, k2 = t["kivi:bits=2,kv_rotate=hadamard"], t["kivi:bits=2"]
-            m4 = t["mlx.quantized:kv_bits=4"]
-            ratio = ratio or r2["kv_mb"] / m4["kv_mb"]
-            sinks = f"quantizer_sinks{name.removeprefix('eval_rotated_kl')}"
-            if (rm.RESULTS / f"{sinks}.json").exists():  # with its default sink
-                r2 = by_key(load(sinks)["table"])[
-                    "kivi:bits=2,kv_rotate=hadamard,kv_sinks=1"
-                ]
-            parts.append(f"{k2['kl']:.3f} to {r2['kl']:.3f} (4-bit {m4['kl']:.3f})")
-        passkey = ""
-        if (rm.RESULTS / "passkey_rotated.json").exists():
-            pk = by_key(load("passkey_rotated")["passkey"]["table"])
-            a, b = pk["kivi:bits=2"], pk["kivi:bits=2,kv_rotate=hadamard"]
-            passkey = f"; agnostic passkey {count(a)} to {count(b)}"
-            if (rm.RESULTS / "passkey_rotated_sinks.json").exists():  # the default
-                sk = by_key(load("passkey_rotated_sinks")["passkey"]["table"])
-                c = sk["kivi:bits=2,kv_rotate=hadamard"]
-                passkey = f"; passkey {count(a)} to {count(c)} ({count(b)} without it)"
-            if (rm.RESULTS / "passkey_rotated_seed1.json").exists():  # held out
-                h = by_key(load("passkey_rotated_seed1")["passkey"]["table"])
-                passkey += (
-                    f", held out {count(h['kivi:bits=2,kv_rotate=hadamard'])}"
-                    f" ({count(h['kivi:bits=2,kv_rotate=hadamard,kv_sinks=0'])}; "
-                    f"full {count(h['full'])})"
-                )
-        lean, fits = "", []
-        for name in ("quantizer_grid_rotated", "quantizer_sinks", "quantizer_dense"):
-            if (rm.RESULTS / f"{name}.json").exists():
-                rows = load(name)["table"]
-                m4_row = by_key(rows)["mlx.quantized:kv_bits=4"]
-                fits += [
-                    (r, m4_row, name)
-                    for r in rows
-                    if "bits=2" in r["arm"]
-                    and r["kv_bytes"] <= 0.6 * m4_row["kv_bytes"]
-                ]
-        if fits:
-            b, m, name = min(fits, key=lambda f: f[0]["kl"])
-            word = "loss" if b["kl"] > m["kl"] else "win"
-            lean = f"; at ≤0.6x its bytes {b['kl']:.3f} ({word})"
-            other = rm.RESULTS / f"{name}_licenses.json"
-            if other.exists():  # the same arm on the second prose
-                t = by_key(load(f"{name}_licenses")["table"])
-                if b["arm"] in t:
-                    b2, m2 = t[b["arm"]], t["mlx.quantized:kv_bits=4"]
-                    word = "loss" if b2["kl"] > m2["kl"] else "win"
-                    lean += f" and {b2['kl']:.3f} ({word})"
-        speed = ""
-        if (rm.RESULTS / "bench_rotated_sinks_decode.json").exists():
-            t = by_key(load("bench_rotated_sinks_decode")["table"])
-            speed = (
-                "; decodes at "
-                f"{t['kivi:bits=2,kv_rotate=hadamard']['ratio_vs_baseline_median']:.2f}x"
-                " unrotated 2-bit's rate"
-            )
-        out.append(
-            f'- `kv_rotate="hadamard"` (with its default sink): 2-bit KIVI KL '
-            f"{' and '.join(parts)} at {ratio:.2f}x its bytes{passkey}{lean}{speed}."
-            f"{_key_bits_summary()}{_query_summary()}"
-        )
+    out += rotated_bullets()
     return out
-
-
-def _lean_arm(arm: str, study: str):
-    """One arm's rows in a study's KL files (quantizer_STUDY, on both proses),
-    each with mlx-lm's 4-bit cache's row of the same run, and in its passkey
-    files (passkey_STUDY, seeds 0 to 3), each with full's row, and the arm's
-    bytes over that cache's (the last KL file's); None before the study's
-    first file exists."""
-    if not (rm.RESULTS / f"quantizer_{study}.json").exists():
-        return None
-    kls, passkeys = [], []
-    for name in (f"quantizer_{study}", f"quantizer_{study}_licenses"):
-        if (rm.RESULTS / f"{name}.json").exists():
-            t = by_key(load(name)["table"])
-            kls.append((t[arm], t["mlx.quantized:kv_bits=4"]))
-    seeds = ("", "_seed1", "_seed2", "_seed3")
-    for name in (f"passkey_{study}{seed}" for seed in seeds):
-        if (rm.RESULTS / f"{name}.json").exists():
-            t = by_key(load(name)["passkey"]["table"])
-            passkeys.append((t[arm], t["full"]))
-    return kls, kls[-1][0]["kv_bytes"] / kls[-1][1]["kv_bytes"], passkeys
-
-
-QUERY_LEAN = "kivi:bits=2,group=64,kv_dense=float16,kv_rotate=query,residual=64"
-
-
-def _query_summary() -> str:
-    """2-bit keys and values scaled by the queries, under 0.6x mlx-lm's 4-bit
-    bytes: KL on both proses against that cache's in the same run, passkey on
-    both seeds against full."""
-    rows = _lean_arm(QUERY_LEAN, "query")
-    if rows is None:
-        return ""
-    kls, ratio, passkeys = rows
-    kl = " and ".join(f"{r['kl']:.3f} ({m4['kl']:.3f})" for r, m4 in kls)
-    got = [f"{count(r)} ({count(full)})" for r, full in passkeys]
-    passkey = f", passkey {' and '.join(got)}" if got else ""
-    return (
-        f' `kv_rotate="query"` (keys scaled by the queries) at {ratio:.2f}x: '
-        f"KL {kl}{passkey}.{_debias_summary()}"
-    )
-
-
-DEBIAS = "kivi:bits=2,kv_debias=True,kv_rotate=query"
-DEBIAS_LEAN = DEBIAS.replace("bits=2,", "bits=2,group=64,").replace(
-    "kv_rotate=query", "kv_dense=float16,kv_rotate=query,residual=64"
-)
 
 
 def both_proses(*names):
@@ -300,13 +194,6 @@ def both_proses(*names):
     if not all((rm.RESULTS / f"{n}.json").exists() for n in names):
         return None
     return [by_key(load(n)["table"]) for n in names]
-
-
-def kl_change(tables, before: str, after: str) -> str:
-    """ "KL of `before` to KL of `after`" on each prose, joined by "and"."""
-    return " and ".join(
-        f"{t[before]['kl']:.3f} to {t[after]['kl']:.3f}" for t in tables
-    )
 
 
 def passkey_sums(names) -> dict[str, list[int]]:
@@ -321,84 +208,58 @@ def passkey_sums(names) -> dict[str, list[int]]:
     return sums
 
 
-def _debias_summary() -> str:
-    """Debiased query rows: KL at the default layout (against the same rows
-    without it, same run) and the lean one on both proses; passkey pooled over
-    the six seeds against the rows without it and full."""
-    tables = both_proses(
-        "quantizer_debias_evaluation", "quantizer_debias_licenses-evaluation"
-    )
-    if tables is None:
-        return ""
-    plain = DEBIAS.replace("kv_debias=True,", "")
-    at = kl_change(tables, plain, DEBIAS)
-    lean = " and ".join(f"{t[DEBIAS_LEAN]['kl']:.3f}" for t in tables)
-    sums = passkey_sums(f"passkey_debias_seed{seed}" for seed in range(6))
-    passkey = ""
-    if sums.get(DEBIAS):
-        ok, n = sums[DEBIAS]
-        passkey = f"; passkey no better ({ok}/{n}, {sums[plain][0]}/{n} without)"
-    return f" `kv_debias`: KL {at}, lean {lean}{passkey}.{_round_summary()}"
-
-
 ROUNDED = "kivi:bits=2,kv_rotate=query,kv_round=query"
-ROUNDED_LEAN = QUERY_LEAN.replace("kv_rotate=query,", "kv_rotate=query,kv_round=query,")
-
-
-def _round_summary() -> str:
-    """Keys rounded for the queries: KL of the query rows with and without it
-    (same run) on both proses, the lean rows and 3 bits with it; passkey summed
-    over its six seeds against the rows without it and full."""
-    tables = both_proses("quantizer_round_evaluation", "quantizer_round_licenses")
-    if tables is None:
-        return ""
-    plain = ROUNDED.replace(",kv_round=query", "")
-    at = kl_change(tables, plain, ROUNDED)
-    m4 = tables[0]["mlx.quantized:kv_bits=4"]["kv_bytes"]
-    ratio = tables[0][ROUNDED_LEAN]["kv_bytes"] / m4
-    lean = " and ".join(f"{t[ROUNDED_LEAN]['kl']:.3f}" for t in tables)
-    three = ROUNDED.replace("bits=2", "bits=3")
-    three_kl = " and ".join(f"{t[three]['kl']:.4f}" for t in tables)
-    passkey = []
-    for runs in ("passkey_round_seed{}", "passkey_round_seen_seed{}"):
-        sums = passkey_sums(runs.format(seed) for seed in range(12))
-        if sums.get(ROUNDED):
-            ok, n = sums[ROUNDED]
-            without = f"{sums[plain][0]} without, " if plain in sums else ""
-            passkey.append(f"{ok}/{n} ({without}full {sums['full'][0]})")
-    got = f"; passkey {' and '.join(passkey)}" if passkey else ""
-    return (
-        f' `kv_round="query"` (keys rounded for the queries to come): KL {at}, '
-        f"lean {lean} at {ratio:.3f}x, 3-bit {three_kl}{got}."
-    )
-
-
-KEY_BITS_LEAN = (
-    "kivi:bits=2,group=64,key_bits=3,kv_dense=float16,kv_rotate=hadamard,residual=0"
+ROUNDED_LEAN = (
+    "kivi:bits=2,group=64,kv_dense=float16,kv_rotate=query,kv_round=query,residual=64"
 )
 
 
-def _key_bits_summary() -> str:
-    """3-bit keys with 2-bit values at about 0.6x mlx-lm's 4-bit bytes: KL on
-    both proses, passkey summed over the seeds run."""
-    rows = _lean_arm(KEY_BITS_LEAN, "key_bits")
-    if rows is None:
-        return ""
-    kls, ratio, passkeys = rows
-    kl = " and ".join(f"{r['kl']:.3f}" for r, _ in kls)
-    ok, n = sum(r["correct"] for r, _ in passkeys), sum(r["cases"] for r, _ in passkeys)
-    full = sum(f["correct"] for _, f in passkeys)
-    mb = passkeys[-1][0]["kv_mb"] if passkeys else None
-    passkey = (
-        f", passkey {ok}/{n} over {len(passkeys)} seeds (full {full}/{n}) at "
-        f"{mb:.1f} MB"
-        if passkeys
-        else ""
+def rotated_bullets() -> list[str]:
+    """TurboQuant-style 2-bit rows at their best: KL on both proses against
+    mlx-lm's 4-bit cache (same runs), the lean layout under 0.6x its bytes, 3
+    bits, decode speed, and passkey against full on the held-out seeds and on
+    those the options were chosen on; plain Hadamard rotation for scale."""
+    tables = both_proses("quantizer_round_evaluation", "quantizer_round_licenses")
+    if tables is None:
+        return []
+
+    def kl(arm, digits=3):
+        return " and ".join(f"{t[arm]['kl']:.{digits}f}" for t in tables)
+
+    m4 = "mlx.quantized:kv_bits=4"
+
+    def bytes_of(arm):  # over mlx-lm's 4-bit cache's, same run
+        return tables[0][arm]["kv_bytes"] / tables[0][m4]["kv_bytes"]
+
+    three = ROUNDED.replace("bits=2", "bits=3")
+    speed = by_key(load("bench_round_decode")["table"])[ROUNDED]
+    hadamard = [
+        by_key(load(n)["table"])["kivi:bits=2,kv_rotate=hadamard,kv_sinks=1"]["kl"]
+        for n in ("quantizer_sinks", "quantizer_sinks_licenses")
+    ]
+    held = passkey_sums(ROUND_SEEDS + ROUND_FRESH_SEEDS)
+    seen = passkey_sums(ROUND_SEEN_SEEDS)
+    ok, n = held[ROUNDED]
+    full_ok, full_n = held["full"]
+    out = [
+        "- TurboQuant-style 2-bit rows (`kivi:bits=2,kv_rotate=query,kv_round="
+        "query`: each head rotated, key channels scaled by the prompt's queries, "
+        f"keys rounded for the queries to come): KL {kl(ROUNDED)} on two proses "
+        f"(mlx-lm's 4-bit cache {kl(m4)}) at {bytes_of(ROUNDED):.2f}x its bytes; "
+        f"{kl(ROUNDED_LEAN)} at {bytes_of(ROUNDED_LEAN):.3f}x (`group=64,"
+        f"residual=64,kv_dense=float16`); 3 bits {kl(three, 4)}; decode at "
+        f"{speed['ratio_vs_baseline_median']:.2f}x unrotated 2-bit's rate. "
+        "Hadamard rotation alone: KL "
+        f"{' and '.join(f'{v:.3f}' for v in hadamard)}."
+    ]
+    word = "- **Loss:** " if ok < full_ok else "- "
+    s_ok, s_n = seen[ROUNDED]
+    out.append(
+        f"{word}2-bit rotated passkey (question-agnostic, ~1,500 tokens): "
+        f"{ok}/{n} on cases no choice saw (full {full_ok}/{full_n}), {s_ok}/{s_n} "
+        f"on those earlier choices saw (full {seen['full'][0]}/{s_n})."
     )
-    return (
-        f" 3-bit keys, 2-bit values, no residual (`key_bits=3`): KL "
-        f"{kl} at {ratio:.3f}x its bytes{passkey}."
-    )
+    return out
 
 
 def headline() -> list[str]:

@@ -620,6 +620,10 @@ def _rotated_passkey() -> list[str]:
         "debiased tables (`--seed 0` to `5`, where full answered 120/120 and the "
         "query-scaled rows without it 118/120):",
         **{f"passkey_round_seen_seed{s}": "" for s in range(1, 6)},
+        "passkey_round_fresh_seed12": "Six more seeds no choice saw (`--seed 12` "
+        "to `17`, run after the rounded rows were built), full and both "
+        "rotations with rounded keys:",
+        **{f"passkey_round_fresh_seed{s}": "" for s in range(13, 18)},
     }
     out = []
     for name, intro, res in _present(intros):
@@ -643,7 +647,11 @@ def _rotated_passkey() -> list[str]:
     rounded = "The runs with keys rounded for the queries together, six seeds"
     out += _rotated_passkey_pooled(ROUND_SEEDS, rounded)
     seen = "The rounded rows on the debiased tables' cases together"
-    return out + _rotated_passkey_pooled(ROUND_SEEN_SEEDS, seen)
+    out += _rotated_passkey_pooled(ROUND_SEEN_SEEDS, seen)
+    fresh = "The six later seeds together"
+    out += _rotated_passkey_pooled(ROUND_FRESH_SEEDS, fresh)
+    held = "Every seed no choice saw (6 to 17) together"
+    return out + _rotated_passkey_pooled(ROUND_SEEDS + ROUND_FRESH_SEEDS, held)
 
 
 POOLED_SEEDS = ("passkey_query", "passkey_query_seed1")
@@ -653,6 +661,7 @@ POOLED_SEEDS += ("passkey_key_bits_seed2", "passkey_key_bits_seed3")
 DEBIAS_SEEDS = tuple(f"passkey_debias_seed{s}" for s in range(6))
 ROUND_SEEDS = tuple(f"passkey_round_seed{s}" for s in range(6, 12))
 ROUND_SEEN_SEEDS = tuple(f"passkey_round_seen_seed{s}" for s in range(6))
+ROUND_FRESH_SEEDS = tuple(f"passkey_round_fresh_seed{s}" for s in range(12, 18))
 
 
 def _rotated_passkey_pooled(seeds, lead: str) -> list[str]:
