@@ -65,15 +65,28 @@ def test_rounding_factor_is_the_upper_cholesky_factor_of_the_inverse():
 
 def test_the_factor_is_held_as_its_rows_strict_upper_triangle():
     u = rounding_factor(moment(rank=D))
-    packed = pack_factor(u)
-    assert packed.shape == (1, 2, D * (D - 1) // 2) and packed.dtype == mx.float16
+    packed, step = pack_factor(u)
+    assert packed.shape == (1, 2, D * (D - 1) // 2) and packed.dtype == mx.int8
+    assert step.shape == (1, 2, 1)
     rows = u / mx.diagonal(u, axis1=-2, axis2=-1)[..., None]
-    assert rel(unpack_factor(packed, D), rows) < 1e-3
-    # the feedback reads the rows only: U itself or its packed rows round alike
-    k = mx.random.normal((1, 2, 64, D), key=mx.random.key(9))
-    a = feedback_quantize(k, GROUP, 2, "minmax", None, u)
-    b = feedback_quantize(k, GROUP, 2, "minmax", None, unpack_factor(packed, D))
-    assert (np.array(a[0]) == np.array(b[0])).mean() > 0.99
+    assert rel(unpack_factor(packed, step, D), rows) < 1e-2
+    # an fp16 triangle (files before the 8-bit one) reads back as it was
+    upper = mx.array(np.flatnonzero(np.triu(np.ones((D, D)), 1)))
+    old = rows.reshape(1, 2, D * D)[..., upper]
+    assert rel(unpack_factor(old.astype(mx.float16), None, D), rows) < 1e-3
+    # the feedback reads the rows only: rounded by U itself or by its packed
+    # rows, the keys' error under the moment is the same (codes may differ)
+    h, k = moment(rank=D), mx.random.normal((1, 2, 64, D), key=mx.random.key(9))
+
+    def weighed_error(factor):
+        w, sc, b = feedback_quantize(k, GROUP, 2, "minmax", None, factor)
+        e = mx.dequantize(w, sc, b, group_size=GROUP, bits=2).swapaxes(-1, -2) - k
+        return float(((e @ h) * e).sum(-1).mean())
+
+    exact = weighed_error(rounding_factor(h))
+    packed, step = pack_factor(rounding_factor(h))
+    assert abs(weighed_error(unpack_factor(packed, step, D)) / exact - 1) < 0.02
+    assert weighed_error(mx.broadcast_to(mx.eye(D), (1, 2, D, D))) > 1.5 * exact
 
 
 @pytest.mark.parametrize("grid", ["minmax", "gaussian"])
@@ -144,16 +157,25 @@ def test_the_factor_is_set_once_from_the_prompt_saved_and_counted(tmp_path):
         before = caches[0].nbytes
         factor = caches[0].store.key_factor
         assert factor.shape == (1, caches[0].keys.shape[1], D * (D - 1) // 2)
-        assert factor.dtype == mx.float16
+        assert factor.dtype == mx.int8  # with one fp32 step a head
+        assert caches[0].store.factor_step.shape == (1, factor.shape[1], 1)
         veloxpatch.save_cache(tmp_path / "late.safetensors", caches)
         late = veloxpatch.load_cache(tmp_path / "late.safetensors")
         step = prompt_tokens(40, seed=4)[None]
         out, ref = model(step, cache=late), model(step, cache=caches)
         assert mx.array_equal(out, ref)
         assert mx.array_equal(late[0].store.key_factor, caches[0].store.key_factor)
+        assert mx.array_equal(late[0].store.factor_step, caches[0].store.factor_step)
+        # a file with the factor as an fp16 triangle (before the 8-bit one) reads
+        st = caches[0].store.state()
+        st["q.key_factor"] = (factor * st.pop("q.factor_step")).astype(mx.float16)
+        old = QuantizedStore.from_state(st, 32, sinks=1, rounds=True)
+        k = mx.zeros((1, factor.shape[1], 32, D))
+        got, ref = old._factors(k)[0], caches[0].store._factors(k)[0]
+        assert rel(got, ref) < 1e-3
     # the factor is held per sequence: nbytes counts it
     store_bytes = sum(a.nbytes for a in caches[0].store.arrays())
-    assert factor.nbytes <= store_bytes <= before
+    assert factor.nbytes + 4 * factor.shape[1] <= store_bytes <= before
 
 
 def test_a_trim_before_the_factor_is_set_cannot_be_reused():

@@ -148,8 +148,8 @@ def bound_bytes(
             full = min(slots, options.kv_residual + g - 1 + sinks)
             quant = slot_bytes(options, d, dtype_size, True)
             per_head = full * dense + (slots - full) * quant + (8 + side) * r
-            if options.kv_round == "query":  # the rounding factor: fp16 triangle
-                per_head += d * (d - 1)
+            if options.kv_round == "query":  # the rounding factor: 8-bit triangle
+                per_head += d * (d - 1) // 2 + 4
         total += kv_heads * per_head
     return total
 

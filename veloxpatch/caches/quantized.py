@@ -73,9 +73,9 @@ positions and averaged (`future_moment`): post-RoPE queries turn with their
 position, so the prompt's queries at their own positions would weigh the
 wrong directions of the slow-turning channels. U [B, H, D, D] is fixed from
 then on, saved with the state and counted in the bytes held: its rows over
-their diagonal, the strict upper triangle in fp16 (`pack_factor`: 4,032 bytes
-a KV head at D 64, as much as 63 rows of 2-bit keys and values with fp32
-scales). The codes stay on the group's grid: the kernels and
+their diagonal, the strict upper triangle on 8 bits with one step a head
+(`pack_factor`: 2,020 bytes a KV head at D 64, as much as 32 rows of 2-bit
+keys and values with fp32 scales). The codes stay on the group's grid: the kernels and
 the layout are unchanged.
 
 Sinks (`sinks=N`, kivi's `kv_sinks`): the store's first N rows (the first
@@ -351,19 +351,28 @@ def _strict_upper(dim: int) -> mx.array:
     return mx.array(i * dim + j)
 
 
-def pack_factor(u: mx.array) -> mx.array:
+def pack_factor(u: mx.array) -> tuple[mx.array, mx.array]:
     """U [B, H, D, D] as the store holds it: its rows over their diagonal (all
-    the feedback reads), the strict upper triangle in fp16, [B, H, D(D-1)/2]."""
+    the feedback reads), the strict upper triangle on 8 bits, codes int8
+    [B, H, D(D-1)/2] and one fp32 step a head [B, H, 1] (the feedback's
+    weights, not the keys: a step of 1/254 of the largest is far below the
+    rounding it steers)."""
     B, H, D, _ = u.shape
     rows = u / mx.diagonal(u, axis1=-2, axis2=-1)[..., None]
-    return rows.reshape(B, H, D * D)[..., _strict_upper(D)].astype(mx.float16)
+    flat = rows.reshape(B, H, D * D)[..., _strict_upper(D)].astype(mx.float32)
+    step = mx.maximum(mx.abs(flat).max(-1, keepdims=True) / 127, 1e-12)
+    return mx.round(flat / step).astype(mx.int8), step
 
 
-def unpack_factor(packed: mx.array, dim: int) -> mx.array:
-    """`pack_factor`'s rows back as a unit upper triangular [B, H, D, D]."""
+def unpack_factor(packed: mx.array, step: mx.array | None, dim: int) -> mx.array:
+    """`pack_factor`'s rows back as a unit upper triangular [B, H, D, D] (step
+    None: a triangle saved in fp16, as files before the 8-bit one)."""
     B, H, _ = packed.shape
+    values = packed.astype(mx.float32)
+    if step is not None:
+        values = values * step
     flat = mx.zeros((B, H, dim * dim), dtype=mx.float32)
-    flat[..., _strict_upper(dim)] = packed.astype(mx.float32)
+    flat[..., _strict_upper(dim)] = values
     return flat.reshape(B, H, dim, dim) + mx.eye(dim)
 
 
@@ -655,6 +664,7 @@ class QuantizedStore:
         self.sinks, self.key_bits = sinks, key_bits
         self.query_aware, self.key_scale, self.query_power = query_aware, None, None
         self.rounds, self.key_factor, self.query_moment = rounds, None, None
+        self.factor_step = None
         self.sink_k = self.sink_v = None
         self.widths = sorted(set(self.bits))
         self.heads = [
@@ -725,12 +735,13 @@ class QuantizedStore:
         B, H, _, D = k.shape
         if self.key_factor is None:
             if self.query_moment is None:
-                self.key_factor = mx.zeros((B, H, D * (D - 1) // 2), mx.float16)
+                self.key_factor = mx.zeros((B, H, D * (D - 1) // 2), mx.int8)
+                self.factor_step = mx.ones((B, H, 1), mx.float32)
             else:
                 u = rounding_factor(self._stored_moment(self.query_moment))
-                self.key_factor = pack_factor(u)
+                self.key_factor, self.factor_step = pack_factor(u)
             self.query_moment = None
-        return self._split(unpack_factor(self.key_factor, D))
+        return self._split(unpack_factor(self.key_factor, self.factor_step, D))
 
     def _stored_moment(self, m: mx.array) -> mx.array:
         """A second moment of unrotated queries, m [B, H, D, D], as the stored
@@ -886,6 +897,7 @@ class QuantizedStore:
         )
         new.key_scale, new.query_power = self.key_scale, self.query_power
         new.key_factor, new.query_moment = self.key_factor, self.query_moment
+        new.factor_step = self.factor_step
         new.sink_k, new.sink_v = self.sink_k, self.sink_v
         for src, dst in zip(self.parts, new.parts):
             dst.load(src.state("p"), "p")
@@ -894,7 +906,9 @@ class QuantizedStore:
     def arrays(self) -> list[mx.array]:
         sink = [] if self.sink_k is None else [self.sink_k, self.sink_v]
         # the rounding factor is per sequence, D(D-1)/2 per head: counted as held
-        factor = [] if self.key_factor is None else [self.key_factor]
+        factor = (
+            [self.key_factor, self.factor_step] if self.key_factor is not None else []
+        )
         return sink + factor + [a for part in self.parts for a in part.arrays()]
 
     @property
@@ -919,6 +933,7 @@ class QuantizedStore:
             st["q.key_scale"] = self.key_scale
         if self.key_factor is not None:
             st["q.key_factor"] = self.key_factor
+            st["q.factor_step"] = self.factor_step
         if self.sink_k is not None:
             st["q.sink_k"], st["q.sink_v"] = self.sink_k, self.sink_v
         for w, part in zip(self.widths, self.parts):
@@ -959,6 +974,7 @@ class QuantizedStore:
         )
         store.key_scale = st.get("q.key_scale")
         store.key_factor = st.get("q.key_factor")
+        store.factor_step = st.get("q.factor_step")  # absent: an fp16 triangle
         store.sink_k, store.sink_v = st.get("q.sink_k"), st.get("q.sink_v")
         if store.sink_rows > sinks:
             raise ValueError(
