@@ -173,6 +173,8 @@ def test_the_factor_is_set_once_from_the_prompt_saved_and_counted(tmp_path):
         k = mx.zeros((1, factor.shape[1], 32, D))
         got, ref = old._factors(k)[0], caches[0].store._factors(k)[0]
         assert rel(got, ref) < 1e-3
+        assert old.nbytes == caches[0].store.nbytes + factor.size - 4 * factor.shape[1]
+        assert "q.factor_step" not in old.state()
     # the factor is held per sequence: nbytes counts it
     store_bytes = sum(a.nbytes for a in caches[0].store.arrays())
     assert factor.nbytes + 4 * factor.shape[1] <= store_bytes <= before

@@ -75,8 +75,8 @@ wrong directions of the slow-turning channels. U [B, H, D, D] is fixed from
 then on, saved with the state and counted in the bytes held: its rows over
 their diagonal, the strict upper triangle on 8 bits with one step a head
 (`pack_factor`: 2,020 bytes a KV head at D 64, as much as 32 rows of 2-bit
-keys and values with fp32 scales). The codes stay on the group's grid: the kernels and
-the layout are unchanged.
+keys and values with fp32 scales). The codes stay on the group's grid: the
+kernels and the layout are unchanged.
 
 Sinks (`sinks=N`, kivi's `kv_sinks`): the store's first N rows (the first
 tokens, where attention sinks its surplus) are held dense and unrotated ahead of
@@ -906,9 +906,7 @@ class QuantizedStore:
     def arrays(self) -> list[mx.array]:
         sink = [] if self.sink_k is None else [self.sink_k, self.sink_v]
         # the rounding factor is per sequence, D(D-1)/2 per head: counted as held
-        factor = (
-            [self.key_factor, self.factor_step] if self.key_factor is not None else []
-        )
+        factor = [a for a in (self.key_factor, self.factor_step) if a is not None]
         return sink + factor + [a for part in self.parts for a in part.arrays()]
 
     @property
@@ -933,6 +931,7 @@ class QuantizedStore:
             st["q.key_scale"] = self.key_scale
         if self.key_factor is not None:
             st["q.key_factor"] = self.key_factor
+        if self.factor_step is not None:  # absent: an fp16 triangle
             st["q.factor_step"] = self.factor_step
         if self.sink_k is not None:
             st["q.sink_k"], st["q.sink_v"] = self.sink_k, self.sink_v
