@@ -16,6 +16,8 @@ from .peak import RERUN
 from .peers import worse_pairs
 from .quantized import (
     BENCH,
+    ROUND8_SEEDS,
+    ROUND8_SEEN,
     ROUND_FRESH_SEEDS,
     ROUND_SEEDS,
     ROUND_SEEN_SEEDS,
@@ -239,6 +241,12 @@ def rotated_bullets() -> list[str]:
     ]
     held = passkey_sums(ROUND_SEEDS + ROUND_FRESH_SEEDS)
     seen = passkey_sums(ROUND_SEEN_SEEDS)
+    older = ""
+    if all((rm.RESULTS / f"{n}.json").exists() for n in ROUND8_SEEDS):
+        held = passkey_sums(ROUND8_SEEDS)  # the rounded rows as they are now
+        older = ", its factor then in fp16"
+        if all((rm.RESULTS / f"{n}.json").exists() for n in ROUND8_SEEN):
+            seen, older = passkey_sums(ROUND8_SEEN), ""
     ok, n = held[ROUNDED]
     full_ok, full_n = held["full"]
     out = [
@@ -252,13 +260,22 @@ def rotated_bullets() -> list[str]:
         "Hadamard rotation alone: KL "
         f"{' and '.join(f'{v:.3f}' for v in hadamard)}."
     ]
-    word = "- **Loss:** " if ok < full_ok else "- "
     s_ok, s_n = seen[ROUNDED]
-    out.append(
-        f"{word}2-bit rotated passkey (question-agnostic, ~1,500 tokens): "
-        f"{ok}/{n} on cases no choice saw (full {full_ok}/{full_n}), {s_ok}/{s_n} "
-        f"on those earlier choices saw (full {seen['full'][0]}/{s_n})."
-    )
+    s_full = seen["full"][0]
+    lead = "2-bit rotated passkey (question-agnostic, ~1,500 tokens): "
+    on_seen = f"on those earlier choices saw{older}: {s_ok}/{s_n} (full {s_full}/{s_n})"
+    if ok < full_ok:
+        text = (
+            f"- **Loss:** {lead}{ok}/{n} on cases no choice saw (full "
+            f"{full_ok}/{full_n}); {on_seen}."
+        )
+    else:
+        word = "**loss**" if s_ok < s_full else "and"
+        text = (
+            f"- {lead}{ok}/{n} on cases no choice saw, full's {full_ok}/{full_n}; "
+            f"{word} {on_seen}."
+        )
+    out.append(text)
     return out
 
 

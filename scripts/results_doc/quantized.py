@@ -527,8 +527,8 @@ def _grid_study() -> list[str]:
         "positions and averaged. The error then lands where q^T H q is small. "
         "Where the choice was made, the licence texts kept for calibration",
         "quantizer_round_evaluation": "On the evaluation proses (run after that "
-        "choice), with mlx-lm's 4-bit cache and the query-scaled rows without it "
-        "in the same run",
+        "choice, with the factor held on 8 bits), with mlx-lm's 4-bit cache and "
+        "the query-scaled rows without it in the same run",
         "quantizer_round_licenses": "The same on the second prose",
     }
     out = []
@@ -651,7 +651,28 @@ def _rotated_passkey() -> list[str]:
     fresh = "The six later seeds together"
     out += _rotated_passkey_pooled(ROUND_FRESH_SEEDS, fresh)
     held = "Every seed no choice saw (6 to 17) together"
-    return out + _rotated_passkey_pooled(ROUND_SEEDS + ROUND_FRESH_SEEDS, held)
+    out += _rotated_passkey_pooled(ROUND_SEEDS + ROUND_FRESH_SEEDS, held)
+    if all((rm.RESULTS / f"{n}.json").exists() for n in ROUND8_SEEDS):
+        cfg = load(ROUND8_SEEDS[0])["config"]
+        seen = all((rm.RESULTS / f"{n}.json").exists() for n in ROUND8_SEEN)
+        out += [
+            "The rounded rows again once their factor was held on 8 bits, one "
+            "run a seed (full and the rounded rows), on every seed above:",
+            "",
+            "```bash",
+            f"for s in $(seq {0 if seen else 6} 17); do",
+            f"    veloxpatch eval --arms {cfg['arms']} --tasks {cfg['tasks']} \\",
+            f"        --protocol {cfg['protocol']} --context {cfg['context']} "
+            f"--cases {cfg['cases']} \\",
+            "        --seed $s --out scripts/results/passkey_round8_seed$s.json",
+            "done",
+            "```",
+            "",
+        ]
+        out += _rotated_passkey_pooled(ROUND8_SEEDS, "Seeds 6 to 17 (no choice saw)")
+        if seen:
+            out += _rotated_passkey_pooled(ROUND8_SEEN, "Seeds 0 to 5")
+    return out
 
 
 POOLED_SEEDS = ("passkey_query", "passkey_query_seed1")
@@ -662,6 +683,8 @@ DEBIAS_SEEDS = tuple(f"passkey_debias_seed{s}" for s in range(6))
 ROUND_SEEDS = tuple(f"passkey_round_seed{s}" for s in range(6, 12))
 ROUND_SEEN_SEEDS = tuple(f"passkey_round_seen_seed{s}" for s in range(6))
 ROUND_FRESH_SEEDS = tuple(f"passkey_round_fresh_seed{s}" for s in range(12, 18))
+ROUND8_SEEDS = tuple(f"passkey_round8_seed{s}" for s in range(6, 18))
+ROUND8_SEEN = tuple(f"passkey_round8_seed{s}" for s in range(6))
 
 
 def _rotated_passkey_pooled(seeds, lead: str) -> list[str]:
