@@ -652,15 +652,14 @@ def _rotated_passkey() -> list[str]:
     out += _rotated_passkey_pooled(ROUND_FRESH_SEEDS, fresh)
     held = "Every seed no choice saw (6 to 17) together"
     out += _rotated_passkey_pooled(ROUND_SEEDS + ROUND_FRESH_SEEDS, held)
-    if all((rm.RESULTS / f"{n}.json").exists() for n in ROUND8_SEEDS):
+    if all((rm.RESULTS / f"{n}.json").exists() for n in ROUND8_SEEN + ROUND8_SEEDS):
         cfg = load(ROUND8_SEEDS[0])["config"]
-        seen = all((rm.RESULTS / f"{n}.json").exists() for n in ROUND8_SEEN)
         out += [
             "The rounded rows again once their factor was held on 8 bits, one "
             "run a seed (full and the rounded rows), on every seed above:",
             "",
             "```bash",
-            f"for s in $(seq {0 if seen else 6} 17); do",
+            "for s in $(seq 0 17); do",
             f"    veloxpatch eval --arms {cfg['arms']} --tasks {cfg['tasks']} \\",
             f"        --protocol {cfg['protocol']} --context {cfg['context']} "
             f"--cases {cfg['cases']} \\",
@@ -670,8 +669,7 @@ def _rotated_passkey() -> list[str]:
             "",
         ]
         out += _rotated_passkey_pooled(ROUND8_SEEDS, "Seeds 6 to 17 (no choice saw)")
-        if seen:
-            out += _rotated_passkey_pooled(ROUND8_SEEN, "Seeds 0 to 5")
+        out += _rotated_passkey_pooled(ROUND8_SEEN, "Seeds 0 to 5")
     return out
 
 
