@@ -66,6 +66,13 @@ ROTATED = [
         "kivi-round",
     ),
     ("snapkv", dict(SNAPKV_KV2, kv_round="query"), "snapkv-kv2-round"),
+    # keys mapped to the queries' and keys' joint basis, with and without rounding
+    (
+        "kivi",
+        dict(bits=2, residual=4, kv_rotate="query_basis", kv_round="query"),
+        "kivi-basis-round",
+    ),
+    ("snapkv", dict(SNAPKV_KV2, kv_rotate="query_basis"), "snapkv-kv2-basis"),
     (
         "snapkv",
         dict(SNAPKV_KV2, kv_rotate="hadamard", kv_keys="token", kv_scales="float16"),

@@ -112,6 +112,17 @@ def test_quantized_rows_convert_exactly():
         ("h2o", dict(kv_bits=2, kv_residual=0, kv_rotate="hadamard", kv_sinks=4)),
         ("h2o", dict(kv_bits=2)),  # all within the residual: no holes
         ("snapkv", dict(window=4, kv_bits=2, kv_rotate="hadamard")),
+        # the rounding factor and the query basis count too
+        (
+            "snapkv",
+            dict(
+                window=4,
+                kv_bits=2,
+                kv_rotate="query_basis",
+                kv_round="query",
+                kv_residual=8,
+            ),
+        ),
     ],
 )
 def test_bytes_held_stay_within_max_kv_bytes(algo, opts):

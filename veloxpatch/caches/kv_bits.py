@@ -78,8 +78,9 @@ class QuantizedKV:
         # until the first group is quantized (quantized.key_scales)
         self.query_power = None
         self.query_count = 0
-        # kv_round="query": sum of pre-RoPE query outer products [B, Hkv, D, D]
-        # and their count, until the first group is quantized; the layer's rope
+        # kv_round="query" and kv_rotate="query_basis": sum of pre-RoPE query
+        # outer products [B, Hkv, D, D] and their count, until the first group
+        # is quantized; the layer's rope
         self.query_m2 = None
         self.query_m2_count = 0
         self.query_rope = None
@@ -221,7 +222,7 @@ class QuantizedKV:
 
     @property
     def trim_keeps_queries(self) -> bool:
-        # kv_rotate="query" and kv_round="query" sum the queries until the
+        # kv_rotate="query"/"query_basis" and kv_round="query" sum the queries until the
         # first group is quantized
         pending = self.query_power is not None or self.query_m2 is not None
         return pending or super().trim_keeps_queries
@@ -282,7 +283,7 @@ class QuantizedKV:
         return self.options.kv_bits == "adaptive"
 
     def rotate(self, q, k, rope, offset, query_scale):
-        if self.options.kv_round == "query" and not self._rounding_set:
+        if self._wants_moment and not self._rounding_set:
             self.query_rope = rope
             self._add_query_m2(
                 q if query_scale is None else q * query_scale, k.shape[1]
@@ -290,8 +291,15 @@ class QuantizedKV:
         return super().rotate(q, k, rope, offset, query_scale)
 
     @property
+    def _wants_moment(self) -> bool:
+        o = self.options
+        return o.kv_round == "query" or o.kv_rotate == "query_basis"
+
+    @property
     def _rounding_set(self) -> bool:
-        return self.store is not None and self.store.key_factor is not None
+        """The factor or the basis (what the queries' moment sets) is set."""
+        st = self.store
+        return st is not None and (st.key_factor is not None or st.key_map is not None)
 
     def _add_query_m2(self, q, H: int) -> None:
         """Add a call's pre-RoPE queries [B, Hq, L, D] to the sums of outer
@@ -443,6 +451,7 @@ class QuantizedKV:
             o.kv_key_bits,
             o.kv_rotate == "query",
             o.kv_round == "query",
+            o.kv_rotate == "query_basis",
         )
 
     @property
@@ -486,7 +495,12 @@ class QuantizedKV:
     def load_storage(self, st):
         o = self.options
         self.store = QuantizedStore.from_state(
-            st, o.kv_group, self._sinks, o.kv_rotate == "query", o.kv_round == "query"
+            st,
+            o.kv_group,
+            self._sinks,
+            o.kv_rotate == "query",
+            o.kv_round == "query",
+            o.kv_rotate == "query_basis",
         )
         for k in [k for k in st if k.split(".")[0] in ("q", *self._part_names())]:
             st.pop(k)

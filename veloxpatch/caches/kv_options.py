@@ -10,7 +10,8 @@ from ..errors import OptionError
 from .options import check_choice, check_int
 
 BITS = (2, 3, 4, 8)
-ROTATIONS = (None, "hadamard", "query")  # "query": keys scaled, then hadamard
+# "query": keys scaled, then hadamard; "query_basis": keys mapped, then hadamard
+ROTATIONS = (None, "hadamard", "query", "query_basis")
 KEY_GROUPS = ("channel", "token")  # keys quantized per channel (KIVI) or per token
 GRIDS = ("minmax", "mlx", "gaussian", "mxfp4")  # quantized.py's grids
 ROUNDINGS = ("nearest", "query")  # "query": error fed forward (quantized.py)
@@ -73,8 +74,10 @@ def logit_debias(debias, bits, grid, qjl, prefix: str = "") -> bool:
 
 
 def check_rotate(rotate, keys, bits, prefix: str = "") -> None:
-    """`kv_rotate`: None, "hadamard" or "query" (the Hadamard rotation after
-    scaling key channels by the prompt's queries, `quantized.py`), which need
+    """`kv_rotate`: None, "hadamard", "query" (the Hadamard rotation after
+    scaling key channels by the prompt's queries, `quantized.py`) or
+    "query_basis" (after mapping keys by the queries' and keys' joint basis,
+    `quantized.py`), which need
     quantized rows; `kv_keys`: "channel" or "token"."""
     check_choice("kv_rotate", rotate, ROTATIONS)
     check_choice("kv_keys", keys, KEY_GROUPS)

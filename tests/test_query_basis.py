@@ -1,0 +1,138 @@
+"""Keys mapped to the queries' and keys' joint basis (`kv_rotate="query_basis"`,
+quantized.py): the map balances the keys' spread and the queries' weight, so
+its logit error bound is below channel scaling's; the stored inverse undoes
+it; attention over the store equals dense attention over its dequantized rows;
+it cuts the logit error of queries from the moment it was set from; it is set
+once from the prompt, saved and counted in nbytes (the byte bound:
+test_kv_budget.py)."""
+
+import mlx.core as mx
+import pytest
+from helpers import rel
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.caches.quantized import (
+    QuantizedStore,
+    key_basis,
+    key_scales,
+    rotation_signs,
+)
+
+D, GROUP = 64, 32
+
+
+def correlated(n, seed, rank=8, n_heads=2):
+    """Rows [1, H, n, D] spread along a few directions plus a little noise
+    (as keys and queries are), and their direction matrix."""
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    dirs = mx.random.normal((1, n_heads, rank, D), key=k1)
+    z = mx.random.normal((1, n_heads, n, rank), key=k2)
+    return z @ dirs + 0.05 * mx.random.normal((1, n_heads, n, D), key=k3)
+
+
+def second_moment(x):
+    return x.swapaxes(-1, -2) @ x / x.shape[2]
+
+
+def spread(k):
+    """The keys' spread within their groups, as key_basis reads it."""
+    B, H, n, _ = k.shape
+    g = k.reshape(B, H, n // GROUP, GROUP, D)
+    dev = (g - g.mean(3, keepdims=True)).reshape(B, H, n, D)
+    return second_moment(dev)
+
+
+def bound(a, c, h):
+    """tr(A C A^T) tr(A^-T H A^-1): the logit error's scale after rotation."""
+    ai = mx.linalg.inv(a, stream=mx.cpu)
+    first = mx.trace(a @ c @ a.swapaxes(-1, -2), axis1=-2, axis2=-1)
+    return first * mx.trace(ai.swapaxes(-1, -2) @ h @ ai, axis1=-2, axis2=-1)
+
+
+def test_the_basis_bound_is_below_channel_scalings_and_its_inverse_undoes_it():
+    keys, queries = correlated(4 * GROUP, 1), correlated(256, 2)
+    h = second_moment(queries)
+    key_map, key_unmap = key_basis(h, keys, GROUP)
+    assert key_map.dtype == key_unmap.dtype == mx.float16
+    eye = mx.eye(D)
+    a = key_map.swapaxes(-1, -2).astype(mx.float32)  # A, stored as A^T
+    assert rel(a @ key_unmap.astype(mx.float32), eye) < 2e-3
+    c = spread(keys)
+    power = mx.diagonal(h, axis1=-2, axis2=-1)
+    scaled = bound(mx.eye(D) * key_scales(power, keys, GROUP)[..., None, :], c, h)
+    mapped = bound(a, c, h)
+    assert (mapped < 0.8 * scaled).all()
+    assert (scaled <= bound(mx.broadcast_to(eye, c.shape), c, h) * 1.0001).all()
+    # no queries seen: the identity
+    m, u = key_basis(None, keys, GROUP)
+    assert mx.array_equal(m, mx.broadcast_to(eye, m.shape).astype(m.dtype))
+
+
+@pytest.mark.parametrize("rounds", [False, True])
+def test_store_reads_equal_dense_reads_of_its_dequantized_rows(rounds):
+    k1, k2, k3 = mx.random.split(mx.random.key(7), 3)
+    keys, values = correlated(64, 3), mx.random.normal((1, 2, 64, D), key=k1)
+    store = QuantizedStore((2, 2), GROUP, rotation_signs(2, D, 0), basis=True)
+    store.rounds, store.query_moment = rounds, second_moment(correlated(128, 4))
+    store.append(keys, values)
+    assert store.key_map is not None
+    assert (store.key_factor is not None) == rounds
+    dk, dv = store.dequantize(mx.float32)
+    q = mx.random.normal((1, 2, 5, D), key=k2)
+    p = mx.softmax(mx.random.normal((1, 2, 5, 64), key=k3), axis=-1)
+    assert rel(store.logits(q), q @ dk.swapaxes(-1, -2)) < 1e-5
+    assert rel(store.weighted(p), p @ dv) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_the_basis_cuts_the_logit_error_of_the_queries_it_weighs(bits):
+    keys, queries = correlated(4 * GROUP, 5), correlated(512, 6)
+    h = second_moment(queries)
+    err = {}
+    for mode in ("scale", "basis"):
+        store = QuantizedStore(
+            (bits, bits),
+            GROUP,
+            rotation_signs(2, D, 0),
+            query_aware=mode == "scale",
+            basis=mode == "basis",
+        )
+        store.query_power = mx.diagonal(h, axis1=-2, axis2=-1)
+        store.query_moment = h
+        store.append(keys, keys)
+        ref = queries @ keys.swapaxes(-1, -2)
+        err[mode] = float(mx.sqrt(((store.logits(queries) - ref) ** 2).mean()))
+    assert err["basis"] < 0.9 * err["scale"]  # 0.68-0.85 over seeds at 2 bits
+
+
+OPTS = dict(bits=2, residual=4, group=32, kv_rotate="query_basis")
+
+
+@pytest.mark.parametrize("rounds", ["nearest", "query"])
+def test_the_basis_is_set_once_from_the_prompt_saved_and_counted(tmp_path, rounds):
+    model = tiny_model("llama", head_dim=D)
+    with veloxpatch.patched(model, "kivi", **OPTS, kv_round=rounds) as patch:
+        caches = patch.make_cache()
+        model(prompt_tokens(20)[None], cache=caches)
+        # nothing quantized yet (the sink only): the sums survive a file
+        assert caches[0].store.key_map is None and caches[0].query_m2_count > 0
+        veloxpatch.save_cache(tmp_path / "early.safetensors", caches)
+        early = veloxpatch.load_cache(tmp_path / "early.safetensors")
+        more = prompt_tokens(60, seed=3)[None]
+        out, ref = model(more, cache=early), model(more, cache=caches)
+        assert mx.array_equal(out, ref)
+        for a, b in zip(caches, early):
+            assert a.query_m2 is None and a.store.key_map is not None
+            assert mx.array_equal(a.store.key_map, b.store.key_map)
+            assert (a.store.key_factor is not None) == (rounds == "query")
+        veloxpatch.save_cache(tmp_path / "late.safetensors", caches)
+        late = veloxpatch.load_cache(tmp_path / "late.safetensors")
+        step = prompt_tokens(40, seed=4)[None]
+        out, ref = model(step, cache=late), model(step, cache=caches)
+        assert mx.array_equal(out, ref)
+        assert mx.array_equal(late[0].store.key_unmap, caches[0].store.key_unmap)
+        store = caches[0].store
+        held = sum(a.nbytes for a in store.arrays())
+        assert held >= store.key_map.nbytes + store.key_unmap.nbytes
+        assert caches[0].nbytes >= held
