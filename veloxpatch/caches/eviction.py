@@ -51,7 +51,8 @@ class EvictionOptions(CacheOptions):
     full precision (see `kv_bits.py`); `kv_keys="token"` quantizes keys per row
     instead; `kv_rotate="hadamard"` stores them rotated by a random Hadamard
     transform per head (TurboQuant, `quantized.py`), `kv_rotate="query"` after
-    scaling key channels by the prompt's queries; `kv_grid`: "minmax",
+    scaling key channels by the prompt's queries, `kv_rotate="query_basis"`
+    after mapping keys to the queries' and keys' joint basis; `kv_grid`: "minmax",
     "mlx", "gaussian" (TurboQuant's scalar quantizer) or "mxfp4"; `kv_scales=
     "float16"`: each group's scale and bias in fp16 (default: the model's dtype);
     `kv_dense="float16"`: the rows not quantized (the residual) in fp16, their

@@ -43,7 +43,10 @@ class KIVIOptions(CacheOptions):
     `kv_rotate="hadamard"`: quantized rows stored rotated by a random Hadamard
     transform per head (TurboQuant, `quantized.py`); `kv_rotate="query"`: the
     same after scaling key channels by the prompt's own queries, so rounding
-    error lands where queries look least (`quantized.py`). `kv_keys="token"`: keys
+    error lands where queries look least (`quantized.py`);
+    `kv_rotate="query_basis"`: keys mapped by A, queries by A^-1 first, A
+    balancing the keys' spread and the queries' moment in their joint
+    basis, the least logit error of any linear map (`quantized.py`). `kv_keys="token"`: keys
     quantized per token, along channels, as values (KIVI's are per channel).
     `kv_grid`: "minmax" (the paper's), "mlx" (mx.quantize), "gaussian"
     (TurboQuant's scalar quantizer) or "mxfp4" (`quantized.py`). `kv_scales=
