@@ -15,7 +15,9 @@ from .peak import NAME as PEAK
 from .peak import RERUN
 from .peers import worse_pairs
 from .quantized import (
+    BASIS_SEEDS,
     BENCH,
+    ROUND8_FRESH,
     ROUND8_SEEDS,
     ROUND8_SEEN,
     decode_ratio,
@@ -211,24 +213,26 @@ ROUNDED = "kivi:bits=2,kv_rotate=query,kv_round=query"
 ROUNDED_LEAN = (
     "kivi:bits=2,group=64,kv_dense=float16,kv_rotate=query,kv_round=query,residual=64"
 )
+BASIS = "kivi:bits=2,kv_rotate=query_basis,kv_round=query"
 
 
 def rotated_bullets() -> list[str]:
     """TurboQuant-style 2-bit rows at their best: KL on both proses against
     mlx-lm's 4-bit cache (same runs), the lean layout under 0.6x its bytes, 3
-    bits, decode speed, and passkey against full on the held-out seeds and on
-    those the options were chosen on; plain Hadamard rotation for scale."""
+    bits, decode speed, the query basis against channel scaling (same runs),
+    and passkey against full, seed by seed in the same runs; plain Hadamard
+    rotation for scale."""
     tables = both_proses("quantizer_round_evaluation", "quantizer_round_licenses")
     if tables is None:
         return []
 
-    def kl(arm, digits=3):
-        return " and ".join(f"{t[arm]['kl']:.{digits}f}" for t in tables)
+    def kl(arm, digits=3, runs=tables):
+        return " and ".join(f"{t[arm]['kl']:.{digits}f}" for t in runs)
 
     m4 = "mlx.quantized:kv_bits=4"
 
-    def bytes_of(arm):  # over mlx-lm's 4-bit cache's, same run
-        return tables[0][arm]["kv_bytes"] / tables[0][m4]["kv_bytes"]
+    def bytes_of(arm, runs=tables):  # over mlx-lm's 4-bit cache's, same run
+        return runs[0][arm]["kv_bytes"] / runs[0][m4]["kv_bytes"]
 
     three = ROUNDED.replace("bits=2", "bits=3")
     speed = by_key(load("bench_round_decode")["table"])[ROUNDED]
@@ -247,29 +251,38 @@ def rotated_bullets() -> list[str]:
         "Hadamard rotation alone: KL "
         f"{' and '.join(f'{v:.3f}' for v in hadamard)}."
     ]
-    # the rounded rows as they are now (8-bit factor), full in each run
-    held, seen = passkey_sums(ROUND8_SEEDS), passkey_sums(ROUND8_SEEN)
-    if ROUNDED not in held or ROUNDED not in seen:
-        return out
-    ok, n = held[ROUNDED]
-    full_ok, full_n = held["full"]
-    s_ok, s_n = seen[ROUNDED]
-    s_full = seen["full"][0]
-    lead = "2-bit rotated passkey (question-agnostic, ~1,500 tokens): "
-    on_seen = f"on those earlier choices saw: {s_ok}/{s_n} (full {s_full}/{s_n})"
-    if ok < full_ok:
-        text = (
-            f"- **Loss:** {lead}{ok}/{n} on cases no choice saw (full "
-            f"{full_ok}/{full_n}); {on_seen}."
+    basis = both_proses(
+        "quantizer_basis_evaluation", "quantizer_basis_licenses-evaluation"
+    )
+    if basis is not None:
+        out.append(
+            "- Keys in the query basis (`kv_rotate=query_basis`, with `kv_round`: "
+            "keys mapped by the queries' and keys' joint basis, not only scaled): "
+            f"KL {kl(BASIS, runs=basis)} against channel scaling's "
+            f"{kl(ROUNDED, runs=basis)} in the same runs, at "
+            f"{bytes_of(BASIS, runs=basis):.2f}x mlx-lm's 4-bit bytes."
         )
-    else:
-        word = "**loss**" if s_ok < s_full else "and"
-        text = (
-            f"- {lead}{ok}/{n} on cases no choice saw, full's {full_ok}/{full_n}; "
-            f"{word} {on_seen}."
-        )
-    out.append(text)
+    out += _passkey_bullet()
     return out
+
+
+def _passkey_bullet() -> list[str]:
+    """2-bit rotated passkey against full, in the same runs: the query basis
+    on every seed it ran, channel scaling on its seeds."""
+    lead = (
+        "- 2-bit rotated passkey (question-agnostic, ~1,500 tokens, full in each run): "
+    )
+    parts = []
+    for arm, seeds, what in (
+        (BASIS, BASIS_SEEDS, "query basis"),
+        (ROUNDED, ROUND8_SEEDS + ROUND8_SEEN + ROUND8_FRESH, "channel scaling"),
+    ):
+        sums = passkey_sums(seeds)
+        if arm in sums:
+            (ok, n), full = sums[arm], sums["full"][0]
+            word = "**loss**, " if ok < full else ""
+            parts.append(f"{word}{what} {ok}/{n} (full {full}/{n})")
+    return [lead + "; ".join(parts) + "."] if parts else []
 
 
 def headline() -> list[str]:
