@@ -31,6 +31,8 @@ from key_rounding_study import (  # noqa: E402
     attention_kl,
     probe_layers,
     second_moment,
+    segment_means,
+    write_study,
 )
 
 from veloxpatch import models  # noqa: E402
@@ -39,7 +41,6 @@ from veloxpatch.caches.quantized import (  # noqa: E402
     future_moment,
     rotation_signs,
 )
-from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.text import prose_segments  # noqa: E402
 
 ARMS = {  # name -> (keys mapped to the basis, rounded with feedback)
@@ -95,25 +96,8 @@ def main():
                 )
                 held = mx.concatenate([held, k[:, :, c:]], axis=2)
                 kl[name].append(attention_kl(q[:, :, c:], k, held, c, scale))
-        means = {name: sum(v) / len(v) for name, v in kl.items()}
-        print(seg, {k: round(v, 5) for k, v in means.items()}, flush=True)
-        per_segment.append({"segment": seg, "kl": means, "kl_by_layer": kl})
-    table = [
-        {
-            "arm": name,
-            "kl": sum(s["kl"][name] for s in per_segment) / len(per_segment),
-        }
-        for name in ARMS
-    ]
-    write_results(
-        args.out,
-        {
-            "run": run_info(),
-            "config": vars(args),
-            "table": table,
-            "segments": per_segment,
-        },
-    )
+        per_segment.append(segment_means(seg, kl))
+    write_study(args, per_segment, "arm")
 
 
 if __name__ == "__main__":

@@ -141,15 +141,24 @@ def main():
                 held = quantized_keys(keys, power, moment, layer, args.bits)
                 held = mx.concatenate([held, full_k[:, :, c:]], axis=2)
                 kl[name].append(attention_kl(later_q, full_k, held, c, scale))
-        means = {name: sum(v) / len(v) for name, v in kl.items()}
-        print(seg, {k: round(v, 5) for k, v in means.items()}, flush=True)
-        per_segment.append({"segment": seg, "kl": means, "kl_by_layer": kl})
+        per_segment.append(segment_means(seg, kl))
+    write_study(args, per_segment, "moment")
+
+
+def segment_means(seg: int, kl: dict) -> dict:
+    """A segment's record: each choice's KL by layer and its mean (printed)."""
+    means = {name: sum(v) / len(v) for name, v in kl.items()}
+    print(seg, {k: round(v, 5) for k, v in means.items()}, flush=True)
+    return {"segment": seg, "kl": means, "kl_by_layer": kl}
+
+
+def write_study(args, per_segment: list, label: str) -> None:
+    """The results file: each choice's KL averaged over the segments, the
+    choices under `label`, the segments' records after."""
+    names = per_segment[0]["kl"]
     table = [
-        {
-            "moment": name,
-            "kl": sum(s["kl"][name] for s in per_segment) / len(per_segment),
-        }
-        for name in CHOICES
+        {label: name, "kl": sum(s["kl"][name] for s in per_segment) / len(per_segment)}
+        for name in names
     ]
     write_results(
         args.out,
