@@ -242,47 +242,44 @@ def rotated_bullets() -> list[str]:
     ]
     out = [
         "- TurboQuant-style 2-bit rows (`kivi:bits=2,kv_rotate=query,kv_round="
-        "query`: each head rotated, key channels scaled by the prompt's queries, "
-        f"keys rounded for the queries to come): KL {kl(ROUNDED)} on two proses "
-        f"(mlx-lm's 4-bit cache {kl(m4)}) at {bytes_of(ROUNDED):.2f}x its bytes; "
-        f"{kl(ROUNDED_LEAN)} at {bytes_of(ROUNDED_LEAN):.3f}x (`group=64,"
-        f"residual=64,kv_dense=float16`); 3 bits {kl(three, 4)}; decode at "
-        f"{speed['ratio_vs_baseline_median']:.2f}x unrotated 2-bit's rate. "
-        "Hadamard rotation alone: KL "
-        f"{' and '.join(f'{v:.3f}' for v in hadamard)}."
+        "query`: rotated, key channels scaled and keys rounded for the queries): "
+        f"KL {kl(ROUNDED)} on two proses ("
+        f"mlx-lm's 4-bit {kl(m4)}) at {bytes_of(ROUNDED):.2f}x its bytes; "
+        f"{kl(ROUNDED_LEAN)} at {bytes_of(ROUNDED_LEAN):.3f}x (groups of 64, fp16 "
+        f"residual of 64); 3 bits {kl(three, 4)}; decode "
+        f"{speed['ratio_vs_baseline_median']:.2f}x unrotated 2-bit's; Hadamard "
+        f"alone KL {' and '.join(f'{v:.3f}' for v in hadamard)}."
     ]
     basis = both_proses(
         "quantizer_basis_evaluation", "quantizer_basis_licenses-evaluation"
     )
     if basis is not None:
         out.append(
-            "- Keys in the query basis (`kv_rotate=query_basis`, with `kv_round`: "
-            "keys mapped by the queries' and keys' joint basis, not only scaled): "
-            f"KL {kl(BASIS, runs=basis)} against channel scaling's "
-            f"{kl(ROUNDED, runs=basis)} in the same runs, at "
-            f"{bytes_of(BASIS, runs=basis):.2f}x mlx-lm's 4-bit bytes."
+            "- Keys mapped to the queries' and keys' joint basis "
+            f"(`kv_rotate=query_basis`): KL {kl(BASIS, runs=basis)} against "
+            f"{kl(ROUNDED, runs=basis)} scaled, same runs, at "
+            f"{bytes_of(BASIS, runs=basis):.2f}x. " + _passkey_sentence()
         )
-    out += _passkey_bullet()
     return out
 
 
-def _passkey_bullet() -> list[str]:
-    """2-bit rotated passkey against full, in the same runs: the query basis
+def _passkey_sentence() -> str:
+    """2-bit rotated passkey against full in the same runs: the query basis
     on every seed it ran, channel scaling on its seeds."""
-    lead = (
-        "- 2-bit rotated passkey (question-agnostic, ~1,500 tokens, full in each run): "
-    )
-    parts = []
+    parts, lost = [], False
     for arm, seeds, what in (
-        (BASIS, BASIS_SEEDS, "query basis"),
-        (ROUNDED, ROUND8_SEEDS + ROUND8_SEEN + ROUND8_FRESH, "channel scaling"),
+        (BASIS, BASIS_SEEDS, "mapped"),
+        (ROUNDED, ROUND8_SEEN + ROUND8_SEEDS + ROUND8_FRESH, "scaled"),
     ):
         sums = passkey_sums(seeds)
         if arm in sums:
             (ok, n), full = sums[arm], sums["full"][0]
-            word = "**loss**, " if ok < full else ""
-            parts.append(f"{word}{what} {ok}/{n} (full {full}/{n})")
-    return [lead + "; ".join(parts) + "."] if parts else []
+            parts.append(f"{what} {ok}/{n} (full {full}/{n})")
+            lost = lost or ok < full
+    if not parts:
+        return ""
+    word = "**Loss**, 2-bit" if lost else "2-bit"
+    return f"{word} agnostic passkey, full in each run: {', '.join(parts)}."
 
 
 def headline() -> list[str]:
