@@ -45,9 +45,9 @@ class KIVIOptions(CacheOptions):
     same after scaling key channels by the prompt's own queries, so rounding
     error lands where queries look least (`quantized.py`);
     `kv_rotate="query_basis"`: keys mapped by A, queries by A^-1 first, A
-    balancing the keys' spread and the queries' moment in their joint
-    basis, the least logit error of any linear map (`quantized.py`). `kv_keys="token"`: keys
-    quantized per token, along channels, as values (KIVI's are per channel).
+    balancing the keys' spread and the queries' moment in their joint basis,
+    the least logit error of any linear map (`quantized.py`). `kv_keys="token"`:
+    keys quantized per token, along channels, as values (KIVI's are per channel).
     `kv_grid`: "minmax" (the paper's), "mlx" (mx.quantize), "gaussian"
     (TurboQuant's scalar quantizer) or "mxfp4" (`quantized.py`). `kv_scales=
     "float16"`: each group's scale and bias in fp16 (default: the model's).
