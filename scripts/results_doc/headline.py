@@ -255,9 +255,9 @@ def rotated_bullets() -> list[str]:
     )
     if basis is not None:
         out.append(
-            "- Keys mapped to the queries' and keys' joint basis "
+            "- Keys in a joint basis with the queries "
             f"(`kv_rotate=query_basis`): KL {kl(BASIS, runs=basis)} against "
-            f"{kl(ROUNDED, runs=basis)} scaled, same runs, at "
+            f"{kl(ROUNDED, runs=basis)} scaled (same runs), "
             f"{bytes_of(BASIS, runs=basis):.2f}x. " + _passkey_sentence()
         )
     return out
@@ -279,7 +279,7 @@ def _passkey_sentence() -> str:
     if not parts:
         return ""
     word = "**Loss**, 2-bit" if lost else "2-bit"
-    return f"{word} agnostic passkey, full in each run: {', '.join(parts)}."
+    return f"{word} passkey (full in each run): {', '.join(parts)}."
 
 
 def headline() -> list[str]:

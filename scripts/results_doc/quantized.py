@@ -681,10 +681,10 @@ def _rotated_passkey() -> list[str]:
         ]
         out += _rotated_passkey_pooled(ROUND8_SEEDS, "Seeds 6 to 17 (no choice saw)")
         out += _rotated_passkey_pooled(ROUND8_SEEN, "Seeds 0 to 5")
-    fresh = _rotated_passkey_pooled(ROUND8_FRESH, "Seeds 18 to 29, run later")
+    fresh = _rotated_passkey_pooled(ROUND8_FRESH, "Seeds 18 to 22, run later")
     if fresh:
         out += [
-            "The same rows on twelve later seeds (`--seed 18` to `29`), the "
+            "The same rows on five later seeds (`--seed 18` to `22`), the "
             "same command:",
             "",
             *fresh,
@@ -694,19 +694,19 @@ def _rotated_passkey() -> list[str]:
 
 
 def _basis_passkey() -> list[str]:
-    """Keys in the query basis (with kv_round) against full, one run a seed,
-    on every seed the rounded rows were run on."""
+    """Keys in the query basis (with kv_round) against full, one run a seed:
+    the later seeds, then those the rounded rows ran on with no choice made."""
     if not all((rm.RESULTS / f"{n}.json").exists() for n in BASIS_SEEDS):
         return []
     cfg = load(BASIS_SEEDS[0])["config"]
     out = [
         'Keys in the query basis (`kv_rotate="query_basis"`, with '
         '`kv_round="query"`, chosen on attention KL alone, before any passkey '
-        "run), one run a seed (full and these rows), first on the later seeds, "
-        "then on every earlier one:",
+        "run), one run a seed (full and these rows), on seeds 18 to 29, then "
+        "6 to 17:",
         "",
         "```bash",
-        "for s in $(seq 18 29) $(seq 6 17) $(seq 0 5); do",
+        "for s in $(seq 18 29) $(seq 6 17); do",
         f"    veloxpatch eval --arms {cfg['arms']} --tasks {cfg['tasks']} \\",
         f"        --protocol {cfg['protocol']} --context {cfg['context']} "
         f"--cases {cfg['cases']} \\",
@@ -715,7 +715,9 @@ def _basis_passkey() -> list[str]:
         "```",
         "",
     ]
-    out += _rotated_passkey_pooled(BASIS_SEEDS, "Every seed (0 to 29) together")
+    later, earlier = BASIS_SEEDS[:12], BASIS_SEEDS[12:]
+    out += _rotated_passkey_pooled(later, "Seeds 18 to 29")
+    out += _rotated_passkey_pooled(earlier, "Seeds 6 to 17")
     return out
 
 
@@ -729,8 +731,8 @@ ROUND_SEEN_SEEDS = tuple(f"passkey_round_seen_seed{s}" for s in range(6))
 ROUND_FRESH_SEEDS = tuple(f"passkey_round_fresh_seed{s}" for s in range(12, 18))
 ROUND8_SEEDS = tuple(f"passkey_round8_seed{s}" for s in range(6, 18))
 ROUND8_SEEN = tuple(f"passkey_round8_seed{s}" for s in range(6))
-ROUND8_FRESH = tuple(f"passkey_round8_seed{s}" for s in range(18, 30))
-BASIS_SEEDS = tuple(f"passkey_basis_seed{s}" for s in range(30))
+ROUND8_FRESH = tuple(f"passkey_round8_seed{s}" for s in range(18, 23))
+BASIS_SEEDS = tuple(f"passkey_basis_seed{s}" for s in (*range(18, 30), *range(6, 18)))
 
 
 def _rotated_passkey_pooled(seeds, lead: str) -> list[str]:
