@@ -29,19 +29,17 @@ from key_rounding_study import (  # noqa: E402
     GROUP,
     SINKS,
     attention_kl,
-    probe_layers,
+    probed_segments,
     second_moment,
     segment_means,
     write_study,
 )
 
-from veloxpatch import models  # noqa: E402
 from veloxpatch.caches.quantized import (  # noqa: E402
     QuantizedStore,
     future_moment,
     rotation_signs,
 )
-from veloxpatch.eval.text import prose_segments  # noqa: E402
 
 ARMS = {  # name -> (keys mapped to the basis, rounded with feedback)
     "query scale, nearest": (False, False),
@@ -77,14 +75,9 @@ def main():
     ap.add_argument("--out", default="scripts/results/key_basis_study.json")
     args = ap.parse_args()
 
-    model, tokenizer = models.load()
-    segs = prose_segments(
-        tokenizer, args.context, args.continuation, args.segments, args.text
-    )
     c = args.context
     per_segment = []
-    for seg, (context, cont) in enumerate(segs):
-        seen = probe_layers(model, context + cont, c)
+    for seg, seen in probed_segments(args):
         kl = {name: [] for name in ARMS}
         for layer, (q, q_pre, k, rope, scale) in sorted(seen.items()):
             heads = k.shape[1]

@@ -104,6 +104,17 @@ def probe_layers(model, ids, context: int) -> dict:
     return seen
 
 
+def probed_segments(args):
+    """(segment, `probe_layers` of its context + continuation) for each prose
+    segment of `args` (context, continuation, segments, text)."""
+    model, tokenizer = models.load()
+    segs = prose_segments(
+        tokenizer, args.context, args.continuation, args.segments, args.text
+    )
+    for seg, (context, cont) in enumerate(segs):
+        yield seg, probe_layers(model, context + cont, args.context)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=2000)
@@ -115,14 +126,9 @@ def main():
     ap.add_argument("--out", default="scripts/results/key_rounding_study.json")
     args = ap.parse_args()
 
-    model, tokenizer = models.load()
-    segs = prose_segments(
-        tokenizer, args.context, args.continuation, args.segments, args.text
-    )
     c = args.context
     per_segment = []
-    for seg, (context, cont) in enumerate(segs):
-        seen = probe_layers(model, context + cont, c)
+    for seg, seen in probed_segments(args):
         kl = {name: [] for name in CHOICES}
         for layer, (q, q_pre, k, rope, scale) in sorted(seen.items()):
             heads = k.shape[1]

@@ -283,7 +283,7 @@ class QuantizedKV:
         return self.options.kv_bits == "adaptive"
 
     def rotate(self, q, k, rope, offset, query_scale):
-        if self._wants_moment and not self._rounding_set:
+        if self._wants_moment and not self._moment_used:
             self.query_rope = rope
             self._add_query_m2(
                 q if query_scale is None else q * query_scale, k.shape[1]
@@ -296,7 +296,7 @@ class QuantizedKV:
         return o.kv_round == "query" or o.kv_rotate == "query_basis"
 
     @property
-    def _rounding_set(self) -> bool:
+    def _moment_used(self) -> bool:
         """The factor or the basis (what the queries' moment sets) is set."""
         st = self.store
         return st is not None and (st.key_factor is not None or st.key_map is not None)
@@ -415,7 +415,7 @@ class QuantizedKV:
             # from every query so far: a trim cannot take those back
             self.irreversible_at = max(self.irreversible_at or 0, self.offset)
             self.query_power, self.query_count = None, 0
-        if self._rounding_set and self.query_m2_count:  # likewise
+        if self._moment_used and self.query_m2_count:  # likewise
             self.irreversible_at = max(self.irreversible_at or 0, self.offset)
             self.query_m2, self.query_m2_count = None, 0
 
