@@ -15,8 +15,10 @@ import veloxpatch
 from veloxpatch.caches.quantized import (
     QuantizedStore,
     key_basis,
+    key_map,
     key_scales,
     rotation_signs,
+    unpack_unmap,
 )
 
 D, GROUP = 64, 32
@@ -53,11 +55,12 @@ def bound(a, c, h):
 def test_the_basis_bound_is_below_channel_scalings_and_its_inverse_undoes_it():
     keys, queries = correlated(4 * GROUP, 1), correlated(256, 2)
     h = second_moment(queries)
-    key_map, key_unmap = key_basis(h, keys, GROUP)
-    assert key_map.dtype == key_unmap.dtype == mx.float16
+    codes, step = key_basis(h, keys, GROUP)
+    assert codes.dtype == mx.int8 and step.shape == (1, 2, 1, D)
     eye = mx.eye(D)
-    a = key_map.swapaxes(-1, -2).astype(mx.float32)  # A, stored as A^T
-    assert rel(a @ key_unmap.astype(mx.float32), eye) < 2e-3
+    unmap = unpack_unmap(codes, step)
+    a = key_map(unmap).swapaxes(-1, -2)  # A, from A^-1 as stored
+    assert rel(a @ unmap, eye) < 1e-4
     c = spread(keys)
     power = mx.diagonal(h, axis1=-2, axis2=-1)
     scaled = bound(mx.eye(D) * key_scales(power, keys, GROUP)[..., None, :], c, h)
@@ -65,8 +68,8 @@ def test_the_basis_bound_is_below_channel_scalings_and_its_inverse_undoes_it():
     assert (mapped < 0.8 * scaled).all()
     assert (scaled <= bound(mx.broadcast_to(eye, c.shape), c, h) * 1.0001).all()
     # no queries seen: the identity
-    m, u = key_basis(None, keys, GROUP)
-    assert mx.array_equal(m, mx.broadcast_to(eye, m.shape).astype(m.dtype))
+    m = unpack_unmap(*key_basis(None, keys, GROUP))
+    assert mx.array_equal(m, mx.broadcast_to(eye, m.shape))
 
 
 @pytest.mark.parametrize("rounds", [False, True])
@@ -76,7 +79,7 @@ def test_store_reads_equal_dense_reads_of_its_dequantized_rows(rounds):
     store = QuantizedStore((2, 2), GROUP, rotation_signs(2, D, 0), basis=True)
     store.rounds, store.query_moment = rounds, second_moment(correlated(128, 4))
     store.append(keys, values)
-    assert store.key_map is not None
+    assert store.key_unmap.dtype == mx.int8
     assert (store.key_factor is not None) == rounds
     dk, dv = store.dequantize(mx.float32)
     q = mx.random.normal((1, 2, 5, D), key=k2)
@@ -116,15 +119,16 @@ def test_the_basis_is_set_once_from_the_prompt_saved_and_counted(tmp_path, round
         caches = patch.make_cache()
         model(prompt_tokens(20)[None], cache=caches)
         # nothing quantized yet (the sink only): the sums survive a file
-        assert caches[0].store.key_map is None and caches[0].query_m2_count > 0
+        assert caches[0].store.key_unmap is None and caches[0].query_m2_count > 0
         veloxpatch.save_cache(tmp_path / "early.safetensors", caches)
         early = veloxpatch.load_cache(tmp_path / "early.safetensors")
         more = prompt_tokens(60, seed=3)[None]
         out, ref = model(more, cache=early), model(more, cache=caches)
         assert mx.array_equal(out, ref)
         for a, b in zip(caches, early):
-            assert a.query_m2 is None and a.store.key_map is not None
-            assert mx.array_equal(a.store.key_map, b.store.key_map)
+            assert a.query_m2 is None and a.store.key_unmap is not None
+            assert mx.array_equal(a.store.key_unmap, b.store.key_unmap)
+            assert mx.array_equal(a.store.unmap_step, b.store.unmap_step)
             assert (a.store.key_factor is not None) == (rounds == "query")
         veloxpatch.save_cache(tmp_path / "late.safetensors", caches)
         late = veloxpatch.load_cache(tmp_path / "late.safetensors")
@@ -134,5 +138,19 @@ def test_the_basis_is_set_once_from_the_prompt_saved_and_counted(tmp_path, round
         assert mx.array_equal(late[0].store.key_unmap, caches[0].store.key_unmap)
         store = caches[0].store
         held = sum(a.nbytes for a in store.arrays())
-        assert held >= store.key_map.nbytes + store.key_unmap.nbytes
+        assert held >= store.key_unmap.nbytes + store.unmap_step.nbytes
         assert caches[0].nbytes >= held
+        # a file from before the 8-bit basis (A^T and A^-1 in fp16) reads back:
+        # its rows answer as they did, new keys are mapped by its A^-1
+        st = store.state()
+        unmap = unpack_unmap(st["q.key_unmap"], st.pop("q.unmap_step"))
+        st["q.key_unmap"] = unmap.astype(mx.float16)
+        st["q.key_map"] = key_map(unmap).astype(mx.float16)
+        old = QuantizedStore.from_state(st, 32, sinks=1, basis=True)
+        q = mx.random.normal((1, caches[0].keys.shape[1], 3, D), key=mx.random.key(5))
+        assert rel(old.logits(q), store.logits(q)) < 2e-3
+        assert "q.unmap_step" not in old.state() and "q.key_map" not in old.state()
+        k = mx.random.normal((1, q.shape[1], 32, D), key=mx.random.key(6))
+        old.append(k, k)
+        dk, _ = old.dequantize(mx.float32)
+        assert rel(old.logits(q), q @ dk.swapaxes(-1, -2)) < 1e-4

@@ -132,6 +132,6 @@ def test_keys_in_the_query_basis_bring_2_bit_rows_closer_than_scaled_channels(lo
         [dict(opts, kv_rotate="query"), dict(opts, kv_rotate="query_basis")],
         chunk=256,
     )
-    assert c1.store.key_map is None and c2.store.key_map is not None
+    assert c1.store.key_unmap is None and c2.store.key_unmap is not None
     # 0.085 against 0.097 here; 0.80 to 0.96 of it at three other starts
     assert mapped < 0.95 * scaled

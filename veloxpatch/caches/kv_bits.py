@@ -299,7 +299,9 @@ class QuantizedKV:
     def _moment_used(self) -> bool:
         """The factor or the basis (what the queries' moment sets) is set."""
         st = self.store
-        return st is not None and (st.key_factor is not None or st.key_map is not None)
+        if st is None:
+            return False
+        return st.key_factor is not None or st.key_unmap is not None
 
     def _add_query_m2(self, q, H: int) -> None:
         """Add a call's pre-RoPE queries [B, Hq, L, D] to the sums of outer

@@ -150,8 +150,8 @@ def bound_bytes(
             per_head = full * dense + (slots - full) * quant + (8 + side) * r
             if options.kv_round == "query":  # the rounding factor: 8-bit triangle
                 per_head += d * (d - 1) // 2 + 4
-            if options.kv_rotate == "query_basis":  # A^T and A^-1 in fp16
-                per_head += 4 * d * d
+            if options.kv_rotate == "query_basis":  # A^-1 on 8 bits, fp32 steps
+                per_head += d * d + 4 * d
         total += kv_heads * per_head
     return total
 

@@ -68,10 +68,12 @@ A^T = A^-T H A^-1 = L^1/2, and the logit error after the Hadamard rotation,
 tr(A C A^T) tr(A^-T H A^-1) / D = (sum sqrt(l))^2 / D, is the least any linear
 map reaches (Cauchy-Schwarz on the joint eigenvalues; scaling channels reaches
 (sum_c sqrt(C_cc H_cc))^2 / D). H is kv_round's moment (below), C the first
-quantized rows'. A^T and A^-1 are fixed then, saved with the state and counted
-in the bytes held (fp16, 16 KB a KV head at D 64): on SmolLM2's keys the 2-bit
-attention KL of the next 256 queries falls by a fifth against the scaling,
-with and without the rounding (`scripts/key_basis_study.py`).
+quantized rows'. A^-1 is fixed then, saved with the state and counted in the
+bytes held, on 8 bits with a step a column (4.3 KB a KV head at D 64); keys
+are mapped by the inverse of A^-1 as stored, so q . k stays exact and only
+the basis is rounded. On SmolLM2's keys the 2-bit attention KL of the next
+256 queries falls by a fifth against the scaling, with and without the
+rounding (`scripts/key_basis_study.py`).
 
 Rounding for the queries (`rounds`, kv_round="query"): nearest rounding
 spreads a key's error evenly, but a logit sees q . e, and queries look along
@@ -322,16 +324,26 @@ def key_scales(query_power: mx.array | None, k: mx.array, group: int) -> mx.arra
 
 
 def key_basis(moment: mx.array | None, k: mx.array, group: int):
-    """(A^T, A^-1) [B, H, D, D], fp16 (module doc, query basis) from the
-    queries' second moment [B, H, D, D] (None: no queries seen, the identity)
-    and unrotated keys k [B, H, n, D], n a multiple of `group`: C is their
-    spread within each group of rows. Both matrices are damped by
+    """A^-1 [B, H, D, D] as the store holds it (module doc, query basis), on 8
+    bits: int8 codes and one fp32 step a column [B, H, 1, D] (`unpack_unmap`),
+    from the queries' second moment [B, H, D, D] (None: no queries seen, the
+    identity) and unrotated keys k [B, H, n, D], n a multiple of `group`: C is
+    their spread within each group of rows. Both matrices are damped by
     `ROUNDING_DAMP` of their mean diagonal; A is scaled to determinant 1 (the
-    grid ignores a common factor) and A^-1 is the inverse of A as stored."""
+    grid ignores a common factor). Keys are mapped by the inverse of A^-1 as
+    stored (`key_map`), so q . k stays exact whatever its rounding."""
     B, H, n, D = k.shape
     if moment is None:
-        eye = mx.broadcast_to(mx.eye(D, dtype=mx.float16), (B, H, D, D))
-        return eye, eye
+        inverse = mx.broadcast_to(mx.eye(D, dtype=mx.float32), (B, H, D, D))
+    else:
+        inverse = mx.linalg.inv(_basis(moment, k, group), stream=mx.cpu)
+    step = mx.maximum(mx.abs(inverse).max(-2, keepdims=True) / 127, 1e-30)
+    return mx.round(inverse / step).astype(mx.int8), step
+
+
+def _basis(moment: mx.array, k: mx.array, group: int) -> mx.array:
+    """A [B, H, D, D] (`key_basis`), float32."""
+    B, H, n, D = k.shape
     g = k.astype(mx.float32).reshape(B, H, n // group, group, D)
     dev = (g - g.mean(3, keepdims=True)).reshape(B, H, n, D)
     cpu = mx.cpu
@@ -344,10 +356,20 @@ def key_basis(moment: mx.array | None, k: mx.array, group: int):
     quarter = mx.maximum(lam, 1e-30) ** 0.25
     a = (quarter[..., :, None] * v.swapaxes(-1, -2)) @ inv_root
     log_det = mx.log(quarter).sum(-1) - 0.5 * mx.log(w).sum(-1)
-    a = a * mx.exp(-log_det / D)[..., None, None]
-    a = a.astype(mx.float16)
-    inverse = mx.linalg.inv(a.astype(mx.float32), stream=cpu)
-    return a.swapaxes(-1, -2), inverse.astype(mx.float16)
+    return a * mx.exp(-log_det / D)[..., None, None]
+
+
+def unpack_unmap(codes: mx.array, step: mx.array | None) -> mx.array:
+    """`key_basis`'s A^-1 back in float32 (step None: an fp16 A^-1, as files
+    saved before the 8-bit one)."""
+    values = codes.astype(mx.float32)
+    return values if step is None else values * step
+
+
+def key_map(unmap: mx.array) -> mx.array:
+    """A^T [B, H, D, D], float32, from A^-1 as stored: computed where keys are
+    mapped (once a group), not held."""
+    return mx.linalg.inv(unmap, stream=mx.cpu).swapaxes(-1, -2)
 
 
 def _damped(h: mx.array) -> mx.array:
@@ -717,7 +739,7 @@ class QuantizedStore:
         self.query_aware, self.key_scale, self.query_power = query_aware, None, None
         self.rounds, self.key_factor, self.query_moment = rounds, None, None
         self.factor_step = None
-        self.basis, self.key_map, self.key_unmap = basis, None, None
+        self.basis, self.key_unmap, self.unmap_step = basis, None, None
         self.sink_k = self.sink_v = None
         self.widths = sorted(set(self.bits))
         self.heads = [
@@ -796,6 +818,10 @@ class QuantizedStore:
             self.query_moment = None
         return self._split(unpack_factor(self.key_factor, self.factor_step, D))
 
+    def _unmap(self) -> mx.array:
+        """A^-1 [B, H, D, D] in float32 (the query basis is set)."""
+        return unpack_unmap(self.key_unmap, self.unmap_step)
+
     def _stored_moment(self, m: mx.array) -> mx.array:
         """A second moment of unrotated queries, m [B, H, D, D], as the stored
         keys meet them: M^T S^-1 m S^-1 M, S the key scales, M the rotation."""
@@ -804,7 +830,7 @@ class QuantizedStore:
             inv = 1.0 / self.key_scale
             m = m * inv[..., :, None] * inv[..., None, :]
         if self.key_unmap is not None:
-            unmap = self.key_unmap.astype(mx.float32)
+            unmap = self._unmap()
             m = unmap.swapaxes(-1, -2) @ m @ unmap
         if self.signs is None:
             return m
@@ -819,23 +845,23 @@ class QuantizedStore:
                 self.query_power = None
             k = (k * self.key_scale[:, :, None, :]).astype(k.dtype)
         if self.basis:
-            if self.key_map is None:
+            if self.key_unmap is None:
                 maps = key_basis(self.query_moment, k, self.group)
-                self.key_map, self.key_unmap = maps
-            k = _times(k, self.key_map)
+                self.key_unmap, self.unmap_step = maps
+            k = _times(k, key_map(self._unmap()))
         return rotate(k, self.signs)
 
     def _queries_in(self, q: mx.array) -> mx.array:
         if self.key_scale is not None:
             q = (q / self.key_scale[:, :, None, :]).astype(q.dtype)
         if self.key_unmap is not None:
-            q = _times(q, self.key_unmap)
+            q = _times(q, self._unmap())
         return rotate(q, self.signs)
 
     def _keys_out(self, k: mx.array) -> mx.array:
         k = unrotate(k, self.signs)
         if self.key_unmap is not None:
-            k = _times(k, self.key_unmap.swapaxes(-1, -2))
+            k = _times(k, self._unmap().swapaxes(-1, -2))
         if self.key_scale is None:
             return k
         return (k / self.key_scale[:, :, None, :]).astype(k.dtype)
@@ -961,7 +987,7 @@ class QuantizedStore:
             self.rounds,
             self.basis,
         )
-        new.key_map, new.key_unmap = self.key_map, self.key_unmap
+        new.key_unmap, new.unmap_step = self.key_unmap, self.unmap_step
         new.key_scale, new.query_power = self.key_scale, self.query_power
         new.key_factor, new.query_moment = self.key_factor, self.query_moment
         new.factor_step = self.factor_step
@@ -974,8 +1000,8 @@ class QuantizedStore:
         sink = [] if self.sink_k is None else [self.sink_k, self.sink_v]
         # the rounding factor is per sequence, D(D-1)/2 per head: counted as held
         factor = [a for a in (self.key_factor, self.factor_step) if a is not None]
-        # so is the query basis, 2 D^2 fp16 per head
-        factor += [a for a in (self.key_map, self.key_unmap) if a is not None]
+        # so is the query basis, D^2 int8 and D fp32 steps per head
+        factor += [a for a in (self.key_unmap, self.unmap_step) if a is not None]
         return sink + factor + [a for part in self.parts for a in part.arrays()]
 
     @property
@@ -1002,8 +1028,10 @@ class QuantizedStore:
             st["q.key_factor"] = self.key_factor
         if self.factor_step is not None:  # absent: an fp16 triangle
             st["q.factor_step"] = self.factor_step
-        if self.key_map is not None:
-            st["q.key_map"], st["q.key_unmap"] = self.key_map, self.key_unmap
+        if self.key_unmap is not None:
+            st["q.key_unmap"] = self.key_unmap
+        if self.unmap_step is not None:  # absent: an fp16 A^-1
+            st["q.unmap_step"] = self.unmap_step
         if self.sink_k is not None:
             st["q.sink_k"], st["q.sink_v"] = self.sink_k, self.sink_v
         for w, part in zip(self.widths, self.parts):
@@ -1045,7 +1073,12 @@ class QuantizedStore:
             basis,
         )
         store.key_scale = st.get("q.key_scale")
-        store.key_map, store.key_unmap = st.get("q.key_map"), st.get("q.key_unmap")
+        # files before the 8-bit basis also hold q.key_map, which keys now
+        # take from A^-1 itself
+        store.key_unmap, store.unmap_step = (
+            st.get("q.key_unmap"),
+            st.get("q.unmap_step"),
+        )
         store.key_factor = st.get("q.key_factor")
         store.factor_step = st.get("q.factor_step")  # absent: an fp16 triangle
         store.sink_k, store.sink_v = st.get("q.sink_k"), st.get("q.sink_v")
