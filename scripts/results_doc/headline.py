@@ -15,6 +15,7 @@ from .peak import NAME as PEAK
 from .peak import RERUN
 from .peers import worse_pairs
 from .quantized import (
+    BASIS8_SEEDS,
     BASIS_SEEDS,
     BENCH,
     ROUND8_FRESH,
@@ -214,6 +215,7 @@ ROUNDED_LEAN = (
     "kivi:bits=2,group=64,kv_dense=float16,kv_rotate=query,kv_round=query,residual=64"
 )
 BASIS = "kivi:bits=2,kv_rotate=query_basis,kv_round=query"
+BASIS_LEAN = ROUNDED_LEAN.replace("kv_rotate=query,", "kv_rotate=query_basis,")
 
 
 def rotated_bullets() -> list[str]:
@@ -250,10 +252,24 @@ def rotated_bullets() -> list[str]:
         f"{speed['ratio_vs_baseline_median']:.2f}x unrotated 2-bit's; Hadamard "
         f"alone KL {' and '.join(f'{v:.3f}' for v in hadamard)}."
     ]
+    basis8 = both_proses(
+        "quantizer_basis8_evaluation", "quantizer_basis8_licenses-evaluation"
+    )
     basis = both_proses(
         "quantizer_basis_evaluation", "quantizer_basis_licenses-evaluation"
     )
-    if basis is not None:
+    if basis8 is not None:
+        out.append(
+            "- Keys in a joint basis with the queries (`kv_rotate=query_basis`, "
+            f"the basis on 8 bits): KL {kl(BASIS, runs=basis8)} at "
+            f"{bytes_of(BASIS, runs=basis8):.2f}x; lean "
+            f"{kl(BASIS_LEAN, runs=basis8)} at "
+            f"{bytes_of(BASIS_LEAN, runs=basis8):.3f}x against "
+            f"{kl(ROUNDED_LEAN, runs=basis8)} at "
+            f"{bytes_of(ROUNDED_LEAN, runs=basis8):.3f}x scaled (same runs). "
+            + _passkey_sentence()
+        )
+    elif basis is not None:
         out.append(
             "- Keys in a joint basis with the queries "
             f"(`kv_rotate=query_basis`): KL {kl(BASIS, runs=basis)} against "
@@ -269,6 +285,7 @@ def _passkey_sentence() -> str:
     parts, lost = [], False
     for arm, seeds, what in (
         (BASIS, BASIS_SEEDS, "mapped"),
+        (BASIS, BASIS8_SEEDS, "mapped on 8 bits"),
         (ROUNDED, ROUND8_SEEN + ROUND8_SEEDS + ROUND8_FRESH, "scaled"),
     ):
         sums = passkey_sums(seeds)

@@ -541,6 +541,14 @@ def _grid_study() -> list[str]:
         "then measured on the evaluation proses with the query-scaled rounded "
         "rows and mlx-lm's 4-bit cache in the same run",
         "quantizer_basis_licenses-evaluation": "The same on the second prose",
+        "quantizer_basis8_evaluation": "The basis held as A^-1 on 8 bits (a "
+        "step a column, 4.3 KB a KV head instead of the fp16 pair's 16 KB; keys "
+        "mapped by its exact inverse, so q . k stays exact and only the basis "
+        "is rounded), on the segments above. The lean rows with `kv_scales="
+        "float16` too match those without to the byte and the digit: with "
+        "`kv_dense=float16` the rows are quantized from fp16, so their scales "
+        "are fp16 already",
+        "quantizer_basis8_licenses-evaluation": "The same on the second prose",
     }
     out = []
     for name, lead, res in _present(intros):
@@ -718,6 +726,15 @@ def _basis_passkey() -> list[str]:
     later, earlier = BASIS_SEEDS[:12], BASIS_SEEDS[12:]
     out += _rotated_passkey_pooled(later, "Seeds 18 to 29")
     out += _rotated_passkey_pooled(earlier, "Seeds 6 to 17")
+    fresh = _rotated_passkey_pooled(BASIS8_SEEDS, "Seeds 30 to 41")
+    if fresh:
+        out += [
+            "The same rows once the basis was held on 8 bits, on twelve later "
+            "seeds (`--seed 30` to `41`, out `passkey_basis8_seed$s`), the same "
+            "command:",
+            "",
+            *fresh,
+        ]
     return out
 
 
@@ -733,6 +750,7 @@ ROUND8_SEEDS = tuple(f"passkey_round8_seed{s}" for s in range(6, 18))
 ROUND8_SEEN = tuple(f"passkey_round8_seed{s}" for s in range(6))
 ROUND8_FRESH = tuple(f"passkey_round8_seed{s}" for s in range(18, 23))
 BASIS_SEEDS = tuple(f"passkey_basis_seed{s}" for s in (*range(18, 30), *range(6, 18)))
+BASIS8_SEEDS = tuple(f"passkey_basis8_seed{s}" for s in range(30, 42))
 
 
 def _rotated_passkey_pooled(seeds, lead: str) -> list[str]:
@@ -951,6 +969,9 @@ def _rotated_decode_alone() -> list[str]:
         "bench_basis_decode": 'Keys in the query basis (`kv_rotate="query_basis"`'
         "): each query multiplied by A^-1 (one D x D product a KV head) before "
         "the key kernel, the rounding factor on 8 bits; nothing else ran:",
+        "bench_basis8_decode": "The same once the basis is held on 8 bits: each "
+        "call reads A^-1 back from its codes, and each flush of 32 rows inverts "
+        "it (a D x D inverse a KV head) to map the keys; nothing else ran:",
     }
     out = []
     for name, why, res in _present(intros):
