@@ -1,0 +1,78 @@
+"""Chosen agnostic passkey cases asked again with other arms: which side of a
+quantized cache (keys or values) a miss comes from. A case is `seed:index`,
+the index-th of the ten cases `veloxpatch eval --tasks passkey --protocol
+agnostic --cases 10 --seed <seed>` builds (its context, depth and number).
+
+    .venv/bin/python scripts/passkey_recheck.py --cases 18:0,23:0,23:1,27:8,11:0 \\
+        --arms "kivi:bits=2,kv_rotate=query_basis,kv_round=query;..." \\
+        --out scripts/results/passkey_key_side.json
+
+Arms are separated by ";" (their options by ","). Full runs with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from veloxpatch import blas
+
+blas.preload()
+
+from veloxpatch.eval.agnostic import run_agnostic_case  # noqa: E402
+from veloxpatch.eval.arms import Arm, bind_to, parse_arm  # noqa: E402
+from veloxpatch.eval.passkey import make_cases  # noqa: E402
+from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
+from veloxpatch.models import load  # noqa: E402
+
+CASES_PER_SEED = 10  # as the eval runs the seeds rechecked
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", required=True, help="seed:index,...")
+    ap.add_argument("--arms", required=True, help="arms separated by ';'")
+    ap.add_argument("--context", type=int, default=1500)
+    ap.add_argument("--text", default="evaluation")
+    ap.add_argument("--out", default="scripts/results/passkey_recheck.json")
+    args = ap.parse_args()
+    picked = [tuple(map(int, c.split(":"))) for c in args.cases.split(",")]
+    if any(not 0 <= i < CASES_PER_SEED for _, i in picked):
+        ap.error(f"a case index is 0 to {CASES_PER_SEED - 1}")
+    arms = [Arm("full", {})] + [parse_arm(a) for a in args.arms.split(";")]
+    model, tokenizer = load()
+    bind_to(model, arms)
+    raw = []
+    for seed, index in picked:
+        case = make_cases(
+            tokenizer,
+            CASES_PER_SEED,
+            args.context,
+            seed=seed,
+            text_split=args.text,
+            agnostic=True,
+        )[index]
+        for row in run_agnostic_case(model, tokenizer, case, arms):
+            raw.append(row | {"case": f"{seed}:{index}"})
+            print(row["arm"], f"{seed}:{index}", row["correct"], repr(row["answer"]))
+    table = []
+    for arm in dict.fromkeys(r["arm"] for r in raw):
+        rows = [r for r in raw if r["arm"] == arm]
+        cases = {r["case"] for r in rows}
+        whole = {c for c in cases if all(r["correct"] for r in rows if r["case"] == c)}
+        table.append(
+            {
+                "arm": arm,
+                "correct": sum(r["correct"] for r in rows),
+                "answers": len(rows),
+                "cases_all_right": len(whole),
+                "cases": len(cases),
+            }
+        )
+    write_results(
+        args.out,
+        {"run": run_info(), "config": vars(args), "table": table, "raw": raw},
+    )
+
+
+if __name__ == "__main__":
+    main()
