@@ -260,14 +260,11 @@ def rotated_bullets() -> list[str]:
     )
     if basis8 is not None:
         out.append(
-            "- Keys in a joint basis with the queries (`kv_rotate=query_basis`, "
-            f"the basis on 8 bits): KL {kl(BASIS, runs=basis8)} at "
+            "- Keys in the queries' basis (`kv_rotate=query_basis`, on 8 bits): "
+            f"KL {kl(BASIS, runs=basis8)} at "
             f"{bytes_of(BASIS, runs=basis8):.2f}x; lean "
             f"{kl(BASIS_LEAN, runs=basis8)} at "
-            f"{bytes_of(BASIS_LEAN, runs=basis8):.3f}x against "
-            f"{kl(ROUNDED_LEAN, runs=basis8)} at "
-            f"{bytes_of(ROUNDED_LEAN, runs=basis8):.3f}x scaled (same runs). "
-            + _passkey_sentence()
+            f"{bytes_of(BASIS_LEAN, runs=basis8):.3f}x. " + _passkey_sentence()
         )
     elif basis is not None:
         out.append(
@@ -285,7 +282,7 @@ def _passkey_sentence() -> str:
     parts, lost = [], False
     for arm, seeds, what in (
         (BASIS, BASIS_SEEDS, "mapped"),
-        (BASIS, BASIS8_SEEDS, "mapped on 8 bits"),
+        (BASIS, BASIS8_SEEDS, "8-bit"),
         (ROUNDED, ROUND8_SEEN + ROUND8_SEEDS + ROUND8_FRESH, "scaled"),
     ):
         sums = passkey_sums(seeds)

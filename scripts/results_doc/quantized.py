@@ -735,7 +735,40 @@ def _basis_passkey() -> list[str]:
             "",
             *fresh,
         ]
-    return out
+    return out + _key_side()
+
+
+def _key_side() -> list[str]:
+    """The basis rows' missed cases asked again with wider keys or values."""
+    if not (rm.RESULTS / "passkey_key_side.json").exists():
+        return []
+    res = load("passkey_key_side")
+    rows = [
+        [
+            f"`{r['arm']}`",
+            f"{r['correct']}/{r['answers']}",
+            f"{r['cases_all_right']}/{r['cases']}",
+        ]
+        for r in res["table"]
+    ]
+    return [
+        "Which side the misses come from (`scripts/passkey_recheck.py`): the "
+        "cases the mapped rows missed, five on seeds 11 to 27 (with the fp16 "
+        "basis, looked at first) and four on seeds 30 to 41 (run after that "
+        "reading), each asked both questions again with the 8-bit basis, with "
+        "4-bit values or 4-bit keys, the other side at 2 bits:",
+        "",
+        meta("passkey_key_side", res),
+        "",
+        *table(["arm", "answers", "cases with both right"], rows),
+        "",
+        *command(
+            f"{PY} scripts/passkey_recheck.py",
+            res["config"],
+            ["cases", "arms", "context", "text", "out"],
+        ),
+        "",
+    ]
 
 
 POOLED_SEEDS = ("passkey_query", "passkey_query_seed1")
