@@ -677,26 +677,16 @@ def _rotated_passkey() -> list[str]:
             "The rounded rows again once their factor was held on 8 bits, one "
             "run a seed (full and the rounded rows), on every seed above:",
             "",
-            "```bash",
-            "for s in $(seq 0 17); do",
-            f"    veloxpatch eval --arms {cfg['arms']} --tasks {cfg['tasks']} \\",
-            f"        --protocol {cfg['protocol']} --context {cfg['context']} "
-            f"--cases {cfg['cases']} \\",
-            "        --seed $s --out scripts/results/passkey_round8_seed$s.json",
-            "done",
-            "```",
+            *_seed_loop(cfg, "$(seq 0 17)", "passkey_round8_seed"),
             "",
         ]
         out += _rotated_passkey_pooled(ROUND8_SEEDS, "Seeds 6 to 17 (no choice saw)")
         out += _rotated_passkey_pooled(ROUND8_SEEN, "Seeds 0 to 5")
-    fresh = _rotated_passkey_pooled(ROUND8_FRESH, "Seeds 18 to 22, run later")
-    if fresh:
-        out += [
-            "The same rows on five later seeds (`--seed 18` to `22`), the "
-            "same command:",
-            "",
-            *fresh,
-        ]
+    out += _later_seeds(
+        ROUND8_FRESH,
+        "Seeds 18 to 22, run later",
+        "The same rows on five later seeds (`--seed 18` to `22`), the same command:",
+    )
     out += _basis_passkey()
     return out
 
@@ -713,29 +703,42 @@ def _basis_passkey() -> list[str]:
         "run), one run a seed (full and these rows), on seeds 18 to 29, then "
         "6 to 17:",
         "",
-        "```bash",
-        "for s in $(seq 18 29) $(seq 6 17); do",
-        f"    veloxpatch eval --arms {cfg['arms']} --tasks {cfg['tasks']} \\",
-        f"        --protocol {cfg['protocol']} --context {cfg['context']} "
-        f"--cases {cfg['cases']} \\",
-        "        --seed $s --out scripts/results/passkey_basis_seed$s.json",
-        "done",
-        "```",
+        *_seed_loop(cfg, "$(seq 18 29) $(seq 6 17)", "passkey_basis_seed"),
         "",
     ]
     later, earlier = BASIS_SEEDS[:12], BASIS_SEEDS[12:]
     out += _rotated_passkey_pooled(later, "Seeds 18 to 29")
     out += _rotated_passkey_pooled(earlier, "Seeds 6 to 17")
-    fresh = _rotated_passkey_pooled(BASIS8_SEEDS, "Seeds 30 to 41")
-    if fresh:
-        out += [
-            "The same rows once the basis was held on 8 bits, on twelve later "
-            "seeds (`--seed 30` to `41`, out `passkey_basis8_seed$s`), the same "
-            "command:",
-            "",
-            *fresh,
-        ]
+    out += _later_seeds(
+        BASIS8_SEEDS,
+        "Seeds 30 to 41",
+        "The same rows once the basis was held on 8 bits, on twelve later "
+        "seeds (`--seed 30` to `41`, out `passkey_basis8_seed$s`), the same "
+        "command:",
+    )
     return out + _key_side()
+
+
+def _seed_loop(cfg: dict, seeds: str, stem: str) -> list[str]:
+    """The shell loop that ran a passkey eval once a seed, from one run's
+    config (`seeds`: the loop's words, `stem`: the results files' name)."""
+    return [
+        "```bash",
+        f"for s in {seeds}; do",
+        f"    veloxpatch eval --arms {cfg['arms']} --tasks {cfg['tasks']} \\",
+        f"        --protocol {cfg['protocol']} --context {cfg['context']} "
+        f"--cases {cfg['cases']} \\",
+        f"        --seed $s --out scripts/results/{stem}$s.json",
+        "done",
+        "```",
+    ]
+
+
+def _later_seeds(seeds, lead: str, intro: str) -> list[str]:
+    """Pooled answers of seeds run after a table's command, under `intro`
+    (nothing until every seed's file exists)."""
+    pooled = _rotated_passkey_pooled(seeds, lead)
+    return [intro, "", *pooled] if pooled else []
 
 
 def _key_side() -> list[str]:
