@@ -260,7 +260,7 @@ def rotated_bullets() -> list[str]:
     )
     if basis8 is not None:
         out.append(
-            "- Keys in the queries' basis (`kv_rotate=query_basis`, on 8 bits): "
+            "- Keys in the queries' basis (`kv_rotate=query_basis`, 8-bit): "
             f"KL {kl(BASIS, runs=basis8)} at "
             f"{bytes_of(BASIS, runs=basis8):.2f}x; lean "
             f"{kl(BASIS_LEAN, runs=basis8)} at "
@@ -281,19 +281,19 @@ def _passkey_sentence() -> str:
     on every seed it ran, channel scaling on its seeds."""
     parts, lost = [], False
     for arm, seeds, what in (
-        (BASIS, BASIS_SEEDS, "mapped"),
+        (BASIS, BASIS_SEEDS, "fp16 basis"),
         (BASIS, BASIS8_SEEDS, "8-bit"),
         (ROUNDED, ROUND8_SEEN + ROUND8_SEEDS + ROUND8_FRESH, "scaled"),
     ):
         sums = passkey_sums(seeds)
         if arm in sums:
             (ok, n), full = sums[arm], sums["full"][0]
-            parts.append(f"{what} {ok}/{n} (full {full}/{n})")
+            parts.append(f"{what} {ok}/{n} ({full})")
             lost = lost or ok < full
     if not parts:
         return ""
     word = "**Loss**, 2-bit" if lost else "2-bit"
-    return f"{word} passkey (full in each run): {', '.join(parts)}."
+    return f"{word} passkey, full's in the same runs: {', '.join(parts)}."
 
 
 def headline() -> list[str]:
