@@ -1,0 +1,153 @@
+"""How close to the edge agnostic passkey answers are: each question's answer
+(" " and the five digits) teacher-forced one token per call, as greedy decoding
+reads it, on each arm's compressed context. Per answer: its NLL and its margin,
+the least over the digits of (the right token's logit - the best other's). A
+miss is a margin below 0 somewhere; a margin is continuous, so arms that miss
+equally rarely still differ in how near they come, paired case by case with
+full, on far fewer cases than pass rates need.
+
+    .venv/bin/python scripts/passkey_margin.py --seeds 42-51 \\
+        --arms "kivi:bits=2,kv_rotate=hadamard;kivi:bits=2,key_bits=3,..." \\
+        --out scripts/results/passkey_margin.json
+
+Arms are separated by ";" (their options by ","). Full runs with them; cases
+are those of `veloxpatch eval --tasks passkey --protocol agnostic --cases 10
+--seed <seed>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from veloxpatch import blas
+
+blas.preload()
+
+import mlx.core as mx  # noqa: E402
+
+from veloxpatch.context import copy_cache  # noqa: E402
+from veloxpatch.eval.agnostic import compress  # noqa: E402
+from veloxpatch.eval.arms import Arm, bind_to, parse_arm  # noqa: E402
+from veloxpatch.eval.passkey import make_cases  # noqa: E402
+from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
+from veloxpatch.eval.sessions import Prefills, arm_caches  # noqa: E402
+from veloxpatch.models import load  # noqa: E402
+
+CASES_PER_SEED = 10  # as the eval runs them
+BOOTSTRAP = 2000
+
+
+def answer_margin(model, question, target, caches) -> tuple[float, float]:
+    """(NLL, margin) of `target` after `question` on `caches`: the question's
+    rows in one call, then one token per call, as mlx-lm's generate_step."""
+    if len(question) > 1:
+        model(mx.array([question[:-1]]), cache=caches)
+    nll, margin = 0.0, float("inf")
+    for prev, want in zip([question[-1]] + target[:-1], target):
+        logits = model(mx.array([[prev]]), cache=caches)[0, -1].astype(mx.float32)
+        logp = logits - mx.logsumexp(logits)
+        right = logits[want]
+        other = mx.max(mx.where(mx.arange(logits.shape[0]) == want, -mx.inf, logits))
+        mx.eval(logp, right, other)
+        nll -= logp[want].item()
+        margin = min(margin, (right - other).item())
+    return nll, margin
+
+
+def case_rows(model, tokenizer, case, arms) -> list[dict]:
+    target = tokenizer.encode(" " + case.key, add_special_tokens=False)
+    prefills = Prefills(model, case.context, arms, 2048)
+    rows = []
+    for arm in arms:
+        with arm_caches(model, arm, case.context, prefills, 2048) as (caches, _):
+            compress(model, tokenizer, arm, caches, case.context, {})
+            for i, q in enumerate(case.questions):
+                nll, margin = answer_margin(model, q, target, copy_cache(caches))
+                rows.append(
+                    {"arm": arm.label, "question": i, "nll": nll, "margin": margin}
+                )
+    return rows
+
+
+def paired_interval(diffs: list[float]) -> list[float]:
+    """95% bootstrap interval of the mean of paired differences (seeded)."""
+    rng = random.Random(0)
+    means = sorted(
+        statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(BOOTSTRAP)
+    )
+    return [means[int(0.025 * BOOTSTRAP)], means[int(0.975 * BOOTSTRAP) - 1]]
+
+
+def summary(raw: list[dict]) -> list[dict]:
+    """Per arm: misses (margin < 0), mean NLL and margin, and the mean paired
+    differences against full on the same answers."""
+    full = {(r["case"], r["question"]): r for r in raw if r["arm"] == "full"}
+    table = []
+    for arm in dict.fromkeys(r["arm"] for r in raw):
+        rows = [r for r in raw if r["arm"] == arm]
+        d_nll = [r["nll"] - full[r["case"], r["question"]]["nll"] for r in rows]
+        d_margin = [
+            r["margin"] - full[r["case"], r["question"]]["margin"] for r in rows
+        ]
+        table.append(
+            {
+                "arm": arm,
+                "answers": len(rows),
+                "misses": sum(r["margin"] < 0 for r in rows),
+                "nll": statistics.fmean(r["nll"] for r in rows),
+                "margin_median": statistics.median(r["margin"] for r in rows),
+                "nll_minus_full": statistics.fmean(d_nll),
+                "nll_minus_full_ci": paired_interval(d_nll),
+                "margin_minus_full": statistics.fmean(d_margin),
+                "margin_minus_full_ci": paired_interval(d_margin),
+            }
+        )
+    return table
+
+
+def seed_range(text: str) -> list[int]:
+    lo, _, hi = text.partition("-")
+    return list(range(int(lo), int(hi or lo) + 1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", required=True, help="first-last, as 42-51")
+    ap.add_argument("--arms", required=True, help="arms separated by ';'")
+    ap.add_argument("--context", type=int, default=1500)
+    ap.add_argument("--text", default="evaluation")
+    ap.add_argument("--out", default="scripts/results/passkey_margin.json")
+    args = ap.parse_args()
+    arms = [Arm("full", {})] + [parse_arm(a) for a in args.arms.split(";")]
+    model, tokenizer = load()
+    bind_to(model, arms)
+    raw = []
+    for seed in seed_range(args.seeds):
+        cases = make_cases(
+            tokenizer,
+            CASES_PER_SEED,
+            args.context,
+            seed=seed,
+            text_split=args.text,
+            agnostic=True,
+        )
+        for index, case in enumerate(cases):
+            for row in case_rows(model, tokenizer, case, arms):
+                raw.append(row | {"case": f"{seed}:{index}"})
+                print(
+                    row["arm"],
+                    raw[-1]["case"],
+                    row["question"],
+                    f"{row['nll']:.3f} {row['margin']:.2f}",
+                    flush=True,
+                )
+    write_results(
+        args.out,
+        {"run": run_info(), "config": vars(args), "table": summary(raw), "raw": raw},
+    )
+
+
+if __name__ == "__main__":
+    main()
