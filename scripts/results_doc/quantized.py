@@ -716,7 +716,7 @@ def _basis_passkey() -> list[str]:
         "seeds (`--seed 30` to `41`, out `passkey_basis8_seed$s`), the same "
         "command:",
     )
-    return out + _key_side()
+    return out + _key_side() + _margins()
 
 
 def _seed_loop(cfg: dict, seeds: str, stem: str) -> list[str]:
@@ -772,6 +772,63 @@ def _key_side() -> list[str]:
         ),
         "",
     ]
+
+
+MARGIN_RUNS = {
+    "passkey_margin_base": "the rotated 2-bit rows and 3-bit keys",
+    "passkey_margin_sides": "the basis rows with 4- or 8-bit values or 4-bit keys",
+}
+
+
+def _margins() -> list[str]:
+    """The answers' NLL and margin against full's, paired (passkey_margin.py)."""
+    present = [s for s in MARGIN_RUNS if (rm.RESULTS / f"{s}.json").exists()]
+    if not present:
+        return []
+
+    def paired(r, name, fmt):
+        lo, hi = r[f"{name}_minus_full_ci"]
+        return f"{r[f'{name}_minus_full']:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+    out = [
+        "How near the edge the answers are (`scripts/passkey_margin.py`): each "
+        "question's answer (a space and the five digits) teacher-forced one "
+        "token per call, as greedy decoding reads it, on each arm's compressed "
+        "context; an answer's margin is the least over its tokens of the right "
+        "token's logit less the best other one's, a miss a margin below 0. "
+        "NLL and margin are paired with full's on the same answers (mean, 95% "
+        "bootstrap interval): arms that miss equally rarely still differ in "
+        "how near they come. Ten cases a seed, both questions, on seeds no "
+        "earlier passkey run used:",
+        "",
+    ]
+    for stem in present:
+        res = load(stem)
+        rows = [
+            [
+                f"`{r['arm']}`",
+                f"{r['misses']}/{r['answers']}",
+                paired(r, "nll", "+.3f"),
+                paired(r, "margin", "+.2f"),
+            ]
+            for r in res["table"]
+        ]
+        head = ["arm", "misses", "NLL − full's", "margin − full's"]
+        out += [
+            f"Seeds {res['config']['seeds']}, {MARGIN_RUNS[stem]}:",
+            "",
+            meta(stem, res),
+            "",
+            *table(head, rows),
+            "",
+            *command(
+                f"{PY} scripts/passkey_margin.py",
+                res["config"],
+                ["seeds", "arms", "context", "text", "out"],
+            ),
+            "",
+        ]
+    return out
 
 
 POOLED_SEEDS = ("passkey_query", "passkey_query_seed1")
