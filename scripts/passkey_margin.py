@@ -26,16 +26,13 @@ from veloxpatch import blas
 blas.preload()
 
 import mlx.core as mx  # noqa: E402
+from passkey_recheck import add_arguments, model_and_arms, seed_cases  # noqa: E402
 
 from veloxpatch.context import copy_cache  # noqa: E402
 from veloxpatch.eval.agnostic import compress  # noqa: E402
-from veloxpatch.eval.arms import Arm, bind_to, parse_arm  # noqa: E402
-from veloxpatch.eval.passkey import make_cases  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.sessions import Prefills, arm_caches  # noqa: E402
-from veloxpatch.models import load  # noqa: E402
 
-CASES_PER_SEED = 10  # as the eval runs them
 BOOTSTRAP = 2000
 
 
@@ -115,24 +112,12 @@ def seed_range(text: str) -> list[int]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", required=True, help="first-last, as 42-51")
-    ap.add_argument("--arms", required=True, help="arms separated by ';'")
-    ap.add_argument("--context", type=int, default=1500)
-    ap.add_argument("--text", default="evaluation")
-    ap.add_argument("--out", default="scripts/results/passkey_margin.json")
+    add_arguments(ap, "scripts/results/passkey_margin.json")
     args = ap.parse_args()
-    arms = [Arm("full", {})] + [parse_arm(a) for a in args.arms.split(";")]
-    model, tokenizer = load()
-    bind_to(model, arms)
+    model, tokenizer, arms = model_and_arms(args)
     raw = []
     for seed in seed_range(args.seeds):
-        cases = make_cases(
-            tokenizer,
-            CASES_PER_SEED,
-            args.context,
-            seed=seed,
-            text_split=args.text,
-            agnostic=True,
-        )
+        cases = seed_cases(tokenizer, seed, args)
         for index, case in enumerate(cases):
             for row in case_rows(model, tokenizer, case, arms):
                 raw.append(row | {"case": f"{seed}:{index}"})

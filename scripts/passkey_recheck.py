@@ -27,30 +27,46 @@ from veloxpatch.models import load  # noqa: E402
 CASES_PER_SEED = 10  # as the eval runs the seeds rechecked
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", required=True, help="seed:index,...")
+def add_arguments(ap: argparse.ArgumentParser, out: str) -> None:
+    """The options this script shares with passkey_margin.py."""
     ap.add_argument("--arms", required=True, help="arms separated by ';'")
     ap.add_argument("--context", type=int, default=1500)
     ap.add_argument("--text", default="evaluation")
-    ap.add_argument("--out", default="scripts/results/passkey_recheck.json")
+    ap.add_argument("--out", default=out)
+
+
+def model_and_arms(args):
+    """(model, tokenizer, arms): full first, then `--arms`, bound to the model."""
+    arms = [Arm("full", {})] + [parse_arm(a) for a in args.arms.split(";")]
+    model, tokenizer = load()
+    bind_to(model, arms)
+    return model, tokenizer, arms
+
+
+def seed_cases(tokenizer, seed: int, args) -> list:
+    """The agnostic cases `veloxpatch eval --cases 10 --seed <seed>` builds."""
+    return make_cases(
+        tokenizer,
+        CASES_PER_SEED,
+        args.context,
+        seed=seed,
+        text_split=args.text,
+        agnostic=True,
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", required=True, help="seed:index,...")
+    add_arguments(ap, "scripts/results/passkey_recheck.json")
     args = ap.parse_args()
     picked = [tuple(map(int, c.split(":"))) for c in args.cases.split(",")]
     if any(not 0 <= i < CASES_PER_SEED for _, i in picked):
         ap.error(f"a case index is 0 to {CASES_PER_SEED - 1}")
-    arms = [Arm("full", {})] + [parse_arm(a) for a in args.arms.split(";")]
-    model, tokenizer = load()
-    bind_to(model, arms)
+    model, tokenizer, arms = model_and_arms(args)
     raw = []
     for seed, index in picked:
-        case = make_cases(
-            tokenizer,
-            CASES_PER_SEED,
-            args.context,
-            seed=seed,
-            text_split=args.text,
-            agnostic=True,
-        )[index]
+        case = seed_cases(tokenizer, seed, args)[index]
         for row in run_agnostic_case(model, tokenizer, case, arms):
             raw.append(row | {"case": f"{seed}:{index}"})
             print(row["arm"], f"{seed}:{index}", row["correct"], repr(row["answer"]))
