@@ -29,9 +29,8 @@ import mlx.core as mx  # noqa: E402
 from passkey_recheck import add_arguments, model_and_arms, seed_cases  # noqa: E402
 
 from veloxpatch.context import copy_cache  # noqa: E402
-from veloxpatch.eval.agnostic import compress  # noqa: E402
+from veloxpatch.eval.agnostic import compressed  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-from veloxpatch.eval.sessions import Prefills, arm_caches  # noqa: E402
 
 BOOTSTRAP = 2000
 
@@ -55,16 +54,11 @@ def answer_margin(model, question, target, caches) -> tuple[float, float]:
 
 def case_rows(model, tokenizer, case, arms) -> list[dict]:
     target = tokenizer.encode(" " + case.key, add_special_tokens=False)
-    prefills = Prefills(model, case.context, arms, 2048)
     rows = []
-    for arm in arms:
-        with arm_caches(model, arm, case.context, prefills, 2048) as (caches, _):
-            compress(model, tokenizer, arm, caches, case.context, {})
-            for i, q in enumerate(case.questions):
-                nll, margin = answer_margin(model, q, target, copy_cache(caches))
-                rows.append(
-                    {"arm": arm.label, "question": i, "nll": nll, "margin": margin}
-                )
+    for arm, caches, _, _ in compressed(model, tokenizer, case, arms):
+        for i, q in enumerate(case.questions):
+            nll, margin = answer_margin(model, q, target, copy_cache(caches))
+            rows.append({"arm": arm.label, "question": i, "nll": nll, "margin": margin})
     return rows
 
 

@@ -39,24 +39,32 @@ CHOICE = (
 def run_agnostic_case(
     model, tokenizer, case: AgnosticCase, arms, prefill_step_size=2048, max_tokens=12
 ) -> list[dict]:
+    rows = []
+    contexts = compressed(model, tokenizer, case, arms, prefill_step_size)
+    for arm, caches, held, shared in contexts:
+        answers = [
+            answer(model, tokenizer, q, copy_cache(caches), max_tokens)
+            for q in case.questions
+        ]
+        for i, text in enumerate(answers):
+            row = case_row(arm, case, text, held, prefill_step_size, shared)
+            rows.append(row | {"question": i, "protocol": "agnostic"})
+    return rows
+
+
+def compressed(model, tokenizer, case: AgnosticCase, arms, prefill_step_size=2048):
+    """Each arm's compressed context, in turn: (arm, caches, bytes held, shared
+    prefill), the caches live until the next arm's. Ask each question on a
+    copy (`copy_cache`)."""
     prefills = Prefills(model, case.context, arms, prefill_step_size)
     scores: dict = {}  # kvzip options but CHOICE -> per layer reconstruction scores
-    rows = []
     for arm in arms:
         with arm_caches(model, arm, case.context, prefills, prefill_step_size) as (
             caches,
             shared,
         ):
             compress(model, tokenizer, arm, caches, case.context, scores)
-            held = kv_bytes(caches)  # the compressed context, kept for reuse
-            answers = [
-                answer(model, tokenizer, q, copy_cache(caches), max_tokens)
-                for q in case.questions
-            ]
-        for i, text in enumerate(answers):
-            row = case_row(arm, case, text, held, prefill_step_size, shared)
-            rows.append(row | {"question": i, "protocol": "agnostic"})
-    return rows
+            yield arm, caches, kv_bytes(caches), shared
 
 
 def compress(model, tokenizer, arm, caches, context, scores: dict) -> None:
