@@ -18,7 +18,6 @@ are those of `veloxpatch eval --tasks passkey --protocol agnostic --cases 10
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 
 from veloxpatch import blas
@@ -30,9 +29,8 @@ from passkey_recheck import add_arguments, model_and_arms, seed_cases  # noqa: E
 
 from veloxpatch.context import copy_cache  # noqa: E402
 from veloxpatch.eval.agnostic import compressed  # noqa: E402
+from veloxpatch.eval.passkey import paired_interval  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-
-BOOTSTRAP = 2000
 
 
 def answer_margin(model, question, target, caches) -> tuple[float, float]:
@@ -60,15 +58,6 @@ def case_rows(model, tokenizer, case, arms) -> list[dict]:
             nll, margin = answer_margin(model, q, target, copy_cache(caches))
             rows.append({"arm": arm.label, "question": i, "nll": nll, "margin": margin})
     return rows
-
-
-def paired_interval(diffs: list[float]) -> list[float]:
-    """95% bootstrap interval of the mean of paired differences (seeded)."""
-    rng = random.Random(0)
-    means = sorted(
-        statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(BOOTSTRAP)
-    )
-    return [means[int(0.025 * BOOTSTRAP)], means[int(0.975 * BOOTSTRAP) - 1]]
 
 
 def summary(raw: list[dict]) -> list[dict]:

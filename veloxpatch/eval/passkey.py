@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import dataclass
 
 from ..models import chat_prompt
@@ -136,3 +137,12 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def paired_interval(diffs: list[float], resamples: int = 2000) -> list[float]:
+    """95% bootstrap interval (seeded) of the mean of paired differences."""
+    rng = random.Random(0)
+    means = sorted(
+        statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(resamples)
+    )
+    return [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]]
