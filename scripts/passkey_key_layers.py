@@ -26,14 +26,13 @@ from veloxpatch import blas
 
 blas.preload()
 
-from passkey_margin import answer_margin, seed_range, summary  # noqa: E402
-from passkey_recheck import add_arguments, model_and_arms, seed_cases  # noqa: E402
+from passkey_margin import answer_margin, run_seeds  # noqa: E402
+from passkey_recheck import add_arguments, model_and_arms  # noqa: E402
 
 from veloxpatch import api  # noqa: E402
 from veloxpatch.caches.base import VeloxCache  # noqa: E402
 from veloxpatch.context import copy_cache  # noqa: E402
 from veloxpatch.eval.agnostic import compress, compressed  # noqa: E402
-from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.sessions import prefill_head  # noqa: E402
 
 
@@ -101,21 +100,10 @@ def main():
     if len(arms) != 2:
         raise SystemExit("passkey_key_layers.py: give one arm")
     blocks = args.blocks.split(",")
-    raw = []
-    for seed in seed_range(args.seeds):
-        for index, case in enumerate(seed_cases(tokenizer, seed, args)):
-            for row in case_rows(model, tokenizer, case, arms, blocks, args.wide):
-                raw.append(row | {"case": f"{seed}:{index}"})
-                print(
-                    row["arm"],
-                    raw[-1]["case"],
-                    row["question"],
-                    f"{row['nll']:.3f} {row['margin']:.2f}",
-                    flush=True,
-                )
-    write_results(
-        args.out,
-        {"run": run_info(), "config": vars(args), "table": summary(raw), "raw": raw},
+    run_seeds(
+        args,
+        tokenizer,
+        lambda case: case_rows(model, tokenizer, case, arms, blocks, args.wide),
     )
 
 

@@ -98,11 +98,16 @@ def main():
     add_arguments(ap, "scripts/results/passkey_margin.json")
     args = ap.parse_args()
     model, tokenizer, arms = model_and_arms(args)
+    run_seeds(args, tokenizer, lambda case: case_rows(model, tokenizer, case, arms))
+
+
+def run_seeds(args, tokenizer, rows_of) -> None:
+    """Every case of `args.seeds` through `rows_of(case)` (its answers' rows),
+    each row printed as it comes; the results file at `args.out`."""
     raw = []
     for seed in seed_range(args.seeds):
-        cases = seed_cases(tokenizer, seed, args)
-        for index, case in enumerate(cases):
-            for row in case_rows(model, tokenizer, case, arms):
+        for index, case in enumerate(seed_cases(tokenizer, seed, args)):
+            for row in rows_of(case):
                 raw.append(row | {"case": f"{seed}:{index}"})
                 print(
                     row["arm"],

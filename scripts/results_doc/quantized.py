@@ -716,7 +716,7 @@ def _basis_passkey() -> list[str]:
         "seeds (`--seed 30` to `41`, out `passkey_basis8_seed$s`), the same "
         "command:",
     )
-    return out + _key_side() + _margins()
+    return out + _key_side() + _margins() + _key_layers()
 
 
 def _seed_loop(cfg: dict, seeds: str, stem: str) -> list[str]:
@@ -830,6 +830,66 @@ def _margins() -> list[str]:
             "",
         ]
     return out
+
+
+def _key_layers() -> list[str]:
+    """The answers with the arm's keys at 8 bits in one block of layers,
+    paired with full's and with the arm's (passkey_key_layers.py)."""
+    from veloxpatch.eval.passkey import paired_interval
+
+    if not (rm.RESULTS / "passkey_key_layers.json").exists():
+        return []
+    res = load("passkey_key_layers")
+    arm = res["config"]["arms"]
+    by = {}
+    for r in res["raw"]:
+        by.setdefault(r["arm"], {})[r["case"], r["question"]] = r
+
+    def paired(label, base):
+        d = [r["nll"] - by[base][k]["nll"] for k, r in by[label].items()]
+        lo, hi = paired_interval(d)
+        return f"{statistics.fmean(d):+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+    rows = []
+    for label, answers in by.items():
+        if label == "full":
+            continue
+        name = label.removeprefix(arm).strip() or "none (the arm)"
+        misses = sum(r["margin"] < 0 for r in answers.values())
+        rows.append(
+            [
+                name.replace("replayed", "none, full's prefill replayed"),
+                f"{misses}/{len(answers)}",
+                paired(label, "full"),
+                paired(label, arm),
+            ]
+        )
+    full_misses = sum(r["margin"] < 0 for r in by["full"].values())
+    head = ["keys at 8 bits in layers", "misses", "NLL − full's", "NLL − arm's"]
+    return [
+        "Which layers' keys the answers need (`scripts/passkey_key_layers.py`): "
+        f"`{arm}` with its keys at 8 bits in one block of SmolLM2's 30 layers, "
+        "the rest as the arm holds them, each answer teacher-forced as above "
+        "and its NLL paired with full's and with the arm's (mean, 95% bootstrap "
+        "interval); the arm and its blocks are prefilled alike in one call. "
+        "The arm is also read from full's prefill replayed (as the runs above "
+        "read it): the two differ by float rounding alone (on one case, the "
+        "unquantized rows at most 1.2e-5 apart in layer 20, equal in layer "
+        "0), which flips rounding choices, so its row is the spread a "
+        "block's difference must exceed. Ten cases a seed, both questions, "
+        f"on fresh seeds; full misses {full_misses}/{len(by['full'])}:",
+        "",
+        meta("passkey_key_layers", res),
+        "",
+        *table(head, rows),
+        "",
+        *command(
+            f"{PY} scripts/passkey_key_layers.py",
+            res["config"],
+            ["seeds", "arms", "blocks", "wide", "context", "text", "out"],
+        ),
+        "",
+    ]
 
 
 POOLED_SEEDS = ("passkey_query", "passkey_query_seed1")
