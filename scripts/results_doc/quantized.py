@@ -854,17 +854,26 @@ def _key_layers() -> list[str]:
     for label, answers in by.items():
         if label == "full":
             continue
-        name = label.removeprefix(arm).strip() or "none (the arm)"
+        name = label.removeprefix(arm).strip().rpartition(" in ")[2]
         misses = sum(r["margin"] < 0 for r in answers.values())
         rows.append(
             [
-                name.replace("replayed", "none, full's prefill replayed"),
+                {"": "none (the arm)", "replayed": "none, full's prefill replayed"}.get(
+                    name, name
+                ),
                 f"{misses}/{len(answers)}",
                 paired(label, "full"),
                 paired(label, arm),
             ]
         )
     full_misses = sum(r["margin"] < 0 for r in by["full"].values())
+    direct, replayed = by[arm], by[f"{arm} replayed"]
+    split = [
+        f"{k[0]} question {k[1]}: {direct[k]['margin']:+.2f} against "
+        f"{replayed[k]['margin']:+.2f} (full's {by['full'][k]['margin']:+.2f})"
+        for k in direct
+        if (direct[k]["margin"] < 0) != (replayed[k]["margin"] < 0)
+    ]
     head = ["keys at 8 bits in layers", "misses", "NLL − full's", "NLL − arm's"]
     return [
         "Which layers' keys the answers need (`scripts/passkey_key_layers.py`): "
@@ -888,6 +897,9 @@ def _key_layers() -> list[str]:
             res["config"],
             ["seeds", "arms", "blocks", "wide", "context", "text", "out"],
         ),
+        "",
+        "Answers the arm's two prefills split, margin prefilled directly "
+        "against replayed: " + "; ".join(split) + ".",
         "",
     ]
 
