@@ -124,14 +124,19 @@ def test_keys_rounded_for_the_queries_bring_2_bit_rows_closer_to_the_model(loade
 @smollm
 def test_keys_in_the_query_basis_bring_2_bit_rows_closer_than_scaled_channels(loaded):
     # kv_rotate="query_basis" on real text, the prompt read in chunks (the map
-    # is set from the first chunk's queries), then a teacher-forced continuation
+    # is set from the first chunk's queries), then a teacher-forced continuation.
+    # Pooled over four starts: one start's ratio moves with the float rounding
+    # of the machine (the basis's eigenvectors turn with it), 0.73 to 0.98 of
+    # scaled's KL by start here, 0.90 pooled
     opts = dict(bits=2, residual=16)
-    (scaled, c1), (mapped, c2) = kivi_continuation_kl(
-        *loaded,
-        27000,
-        [dict(opts, kv_rotate="query"), dict(opts, kv_rotate="query_basis")],
-        chunk=256,
-    )
-    assert c1.store.key_unmap is None and c2.store.key_unmap is not None
-    # 0.085 against 0.097 here; 0.80 to 0.96 of it at three other starts
+    scaled = mapped = 0.0
+    for start in (27000, 5000, 12000, 36000):
+        (kl_scaled, c1), (kl_mapped, c2) = kivi_continuation_kl(
+            *loaded,
+            start,
+            [dict(opts, kv_rotate="query"), dict(opts, kv_rotate="query_basis")],
+            chunk=256,
+        )
+        assert c1.store.key_unmap is None and c2.store.key_unmap is not None
+        scaled, mapped = scaled + kl_scaled, mapped + kl_mapped
     assert mapped < 0.95 * scaled
