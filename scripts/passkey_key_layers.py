@@ -26,12 +26,11 @@ from veloxpatch import blas
 
 blas.preload()
 
-from passkey_margin import answer_margin, run_seeds  # noqa: E402
+from passkey_margin import answer_rows, run_seeds  # noqa: E402
 from passkey_recheck import add_arguments, model_and_arms  # noqa: E402
 
 from veloxpatch import api  # noqa: E402
 from veloxpatch.caches.base import VeloxCache  # noqa: E402
-from veloxpatch.context import copy_cache  # noqa: E402
 from veloxpatch.eval.agnostic import compress, compressed  # noqa: E402
 from veloxpatch.eval.sessions import prefill_head  # noqa: E402
 
@@ -66,13 +65,10 @@ def widened_context(model, tokenizer, arm, context, layers, bits):
 
 
 def case_rows(model, tokenizer, case, arms, blocks, bits) -> list[dict]:
-    target = tokenizer.encode(" " + case.key, add_special_tokens=False)
     rows = []
 
     def ask(label, caches):
-        for i, q in enumerate(case.questions):
-            nll, margin = answer_margin(model, q, target, copy_cache(caches))
-            rows.append({"arm": label, "question": i, "nll": nll, "margin": margin})
+        rows.extend(answer_rows(model, tokenizer, case, label, caches))
 
     for replayed, caches, _, _ in compressed(model, tokenizer, case, arms):
         ask(replayed.label + (" replayed" if replayed.options else ""), caches)

@@ -51,12 +51,19 @@ def answer_margin(model, question, target, caches) -> tuple[float, float]:
 
 
 def case_rows(model, tokenizer, case, arms) -> list[dict]:
-    target = tokenizer.encode(" " + case.key, add_special_tokens=False)
     rows = []
     for arm, caches, _, _ in compressed(model, tokenizer, case, arms):
-        for i, q in enumerate(case.questions):
-            nll, margin = answer_margin(model, q, target, copy_cache(caches))
-            rows.append({"arm": arm.label, "question": i, "nll": nll, "margin": margin})
+        rows += answer_rows(model, tokenizer, case, arm.label, caches)
+    return rows
+
+
+def answer_rows(model, tokenizer, case, label: str, caches) -> list[dict]:
+    """Each question of `case` answered on a copy of `caches`: its row."""
+    target = tokenizer.encode(" " + case.key, add_special_tokens=False)
+    rows = []
+    for i, q in enumerate(case.questions):
+        nll, margin = answer_margin(model, q, target, copy_cache(caches))
+        rows.append({"arm": label, "question": i, "nll": nll, "margin": margin})
     return rows
 
 
