@@ -68,12 +68,14 @@ A^T = A^-T H A^-1 = L^1/2, and the logit error after the Hadamard rotation,
 tr(A C A^T) tr(A^-T H A^-1) / D = (sum sqrt(l))^2 / D, is the least any linear
 map reaches (Cauchy-Schwarz on the joint eigenvalues; scaling channels reaches
 (sum_c sqrt(C_cc H_cc))^2 / D). H is kv_round's moment (below), C the first
-quantized rows'. A^-1 is fixed then, saved with the state and counted in the
-bytes held, on 8 bits with a step a column (4.3 KB a KV head at D 64); keys
-are mapped by the inverse of A^-1 as stored, so q . k stays exact and only
-the basis is rounded. On SmolLM2's keys the 2-bit attention KL of the next
-256 queries falls by a fifth against the scaling, with and without the
-rounding (`scripts/key_basis_study.py`).
+quantized rows'. Each eigenvector's sign is fixed (its largest entry
+positive): LAPACK's flips with float rounding, and the rotation after the
+map would round a flipped coordinate differently. A^-1 is fixed then, saved
+with the state and counted in the bytes held, on 8 bits with a step a column
+(4.3 KB a KV head at D 64); keys are mapped by the inverse of A^-1 as
+stored, so q . k stays exact and only the basis is rounded. On SmolLM2's keys
+the 2-bit attention KL of the next 256 queries falls by a fifth against the
+scaling, with and without the rounding (`scripts/key_basis_study.py`).
 
 Rounding for the queries (`rounds`, kv_round="query"): nearest rounding
 spreads a key's error evenly, but a logit sees q . e, and queries look along
@@ -353,10 +355,20 @@ def _basis(moment: mx.array, k: mx.array, group: int) -> mx.array:
     inv_root = (u * mx.rsqrt(w)[..., None, :]) @ u.swapaxes(-1, -2)
     joint = root @ _damped(moment.astype(mx.float32)) @ root
     lam, v = mx.linalg.eigh((joint + joint.swapaxes(-1, -2)) / 2, stream=cpu)
+    v = v * _largest_positive(v)
     quarter = mx.maximum(lam, 1e-30) ** 0.25
     a = (quarter[..., :, None] * v.swapaxes(-1, -2)) @ inv_root
     log_det = mx.log(quarter).sum(-1) - 0.5 * mx.log(w).sum(-1)
     return a * mx.exp(-log_det / D)[..., None, None]
+
+
+def _largest_positive(v: mx.array) -> mx.array:
+    """The signs [..., 1, D] that make each eigenvector (column of v) have its
+    largest entry positive: LAPACK's sign is arbitrary and flips with float
+    rounding, and the rotation after the map rounds a flipped coordinate
+    differently (as sklearn's svd_flip fixes singular vectors)."""
+    top = mx.argmax(mx.abs(v), axis=-2, keepdims=True)
+    return mx.where(mx.take_along_axis(v, top, axis=-2) < 0, -1.0, 1.0)
 
 
 def unpack_unmap(codes: mx.array, step: mx.array | None) -> mx.array:
