@@ -12,7 +12,8 @@ rounding, so their difference is the noise any block's must exceed.
         --blocks 0-14,15-24,25-29,0-29 \\
         --out scripts/results/passkey_key_layers.json
 
-One arm (a quantized one: `kivi` or `kv_bits=`); cases are those of
+`--blocks ""` reads the arm alone, both ways. One arm (a quantized one:
+`kivi` or `kv_bits=`); cases are those of
 `veloxpatch eval --tasks passkey --protocol agnostic --cases 10 --seed <seed>`.
 """
 
@@ -95,7 +96,7 @@ def main():
     model, tokenizer, arms = model_and_arms(args)
     if len(arms) != 2:
         raise SystemExit("passkey_key_layers.py: give one arm")
-    blocks = args.blocks.split(",")
+    blocks = [b for b in args.blocks.split(",") if b]  # "": the arm alone
     run_seeds(
         args,
         tokenizer,
