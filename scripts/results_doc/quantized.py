@@ -832,14 +832,40 @@ def _margins() -> list[str]:
     return out
 
 
+KEY_LAYER_RUNS = {
+    "passkey_key_layers": "Which layers' keys the answers need "
+    "(`scripts/passkey_key_layers.py`): `{arm}` with its keys at 8 bits in one "
+    "block of SmolLM2's 30 layers, the rest as the arm holds them, each answer "
+    "teacher-forced as above and its NLL paired with full's and with the arm's "
+    "(mean, 95% bootstrap interval); the arm and its blocks are prefilled "
+    "alike in one call. The arm is also read from full's prefill replayed (as "
+    "the runs above read it): the two differ by float rounding alone (on one "
+    "case, the unquantized rows at most 1.2e-5 apart in layer 20, equal in "
+    "layer 0), which flips rounding choices, so its row is the spread a "
+    "block's difference must exceed. Ten cases a seed, both questions, on "
+    "fresh seeds; full misses {full}:",
+    "passkey_prefill_paths": "The same arm and cases once the query basis "
+    "fixes each eigenvector's sign (its largest entry positive; before, "
+    "LAPACK's sign flipped with the float rounding between the two prefills, "
+    "in 3 of the 90 layer-heads on case 53:8): prefilled directly and from "
+    "full's replay, nothing widened; full misses {full}:",
+}
+
+
 def _key_layers() -> list[str]:
     """The answers with the arm's keys at 8 bits in one block of layers,
     paired with full's and with the arm's (passkey_key_layers.py)."""
+    out = []
+    for stem, intro in KEY_LAYER_RUNS.items():
+        if (rm.RESULTS / f"{stem}.json").exists():
+            out += _key_layer_run(stem, intro)
+    return out
+
+
+def _key_layer_run(stem: str, intro: str) -> list[str]:
     from veloxpatch.eval.passkey import paired_interval
 
-    if not (rm.RESULTS / "passkey_key_layers.json").exists():
-        return []
-    res = load("passkey_key_layers")
+    res = load(stem)
     arm = res["config"]["arms"]
     by = {}
     for r in res["raw"]:
@@ -874,21 +900,17 @@ def _key_layers() -> list[str]:
         for k in direct
         if (direct[k]["margin"] < 0) != (replayed[k]["margin"] < 0)
     ]
+    splits = (
+        "Answers the arm's two prefills split, margin prefilled directly "
+        "against replayed: " + "; ".join(split) + "."
+        if split
+        else "No answer is right from one prefill and missed from the other."
+    )
     head = ["keys at 8 bits in layers", "misses", "NLL − full's", "NLL − arm's"]
     return [
-        "Which layers' keys the answers need (`scripts/passkey_key_layers.py`): "
-        f"`{arm}` with its keys at 8 bits in one block of SmolLM2's 30 layers, "
-        "the rest as the arm holds them, each answer teacher-forced as above "
-        "and its NLL paired with full's and with the arm's (mean, 95% bootstrap "
-        "interval); the arm and its blocks are prefilled alike in one call. "
-        "The arm is also read from full's prefill replayed (as the runs above "
-        "read it): the two differ by float rounding alone (on one case, the "
-        "unquantized rows at most 1.2e-5 apart in layer 20, equal in layer "
-        "0), which flips rounding choices, so its row is the spread a "
-        "block's difference must exceed. Ten cases a seed, both questions, "
-        f"on fresh seeds; full misses {full_misses}/{len(by['full'])}:",
+        intro.format(arm=arm, full=f"{full_misses}/{len(by['full'])}"),
         "",
-        meta("passkey_key_layers", res),
+        meta(stem, res),
         "",
         *table(head, rows),
         "",
@@ -896,10 +918,10 @@ def _key_layers() -> list[str]:
             f"{PY} scripts/passkey_key_layers.py",
             res["config"],
             ["seeds", "arms", "blocks", "wide", "context", "text", "out"],
+            keep=("blocks",),
         ),
         "",
-        "Answers the arm's two prefills split, margin prefilled directly "
-        "against replayed: " + "; ".join(split) + ".",
+        splits,
         "",
     ]
 
