@@ -60,14 +60,36 @@ def check_alone(model, patch, token_ids, caches, max_tokens=MAX_TOKENS):
     for i, p in enumerate(prompts()):
         assert all(getattr(c, "layer_input", None) is None for c in caches[i])
         own = patch.make_cache()
-        toks, _ = greedy(model, mx.array(p), max_tokens[i], STEP, prompt_cache=own)
-        assert token_ids[i] == toks, f"sequence {i}"
+        toks, rows = greedy(model, mx.array(p), max_tokens[i], STEP, prompt_cache=own)
+        if token_ids[i] != toks and grids_from_queries(patch):
+            assert_first_swap_is_a_near_tie(token_ids[i], toks, rows)
+        else:
+            assert token_ids[i] == toks, f"sequence {i}"
         if kept(caches[i]) != kept(own) and patch.algo == "knorm":
             assert_swaps_are_near_ties(caches[i], own)
         else:
             assert kept(caches[i]) == kept(own), f"sequence {i}"
         if patch.algo != "full":  # full's extracted rows drop the spare capacity
             assert sum(c.nbytes for c in caches[i]) == sum(c.nbytes for c in own)
+
+
+def grids_from_queries(patch) -> bool:
+    """Quantized rows whose map or rounding is set from the queries' moment."""
+    o = patch.options
+    rotate = getattr(o, "kv_rotate", None)
+    return getattr(o, "kv_round", None) == "query" or rotate in ("query", "query_basis")
+
+
+def assert_first_swap_is_a_near_tie(batched, alone, logprobs, tol=0.02):
+    """Queries computed in a batch of three and alone differ by float noise
+    (BLAS kernels differ by shape); rows at 2 bits whose grid they set may then
+    round a code the other way and move the logits a little. Greedy tokens may
+    part where the alone run's two best are within `tol` (snapkv-kv2-basis:
+    0.0089 on the tiny model), never elsewhere."""
+    step = next(j for j, (a, b) in enumerate(zip(batched, alone)) if a != b)
+    row = logprobs[step]
+    gap = (row[alone[step]] - row[batched[step]]).item()
+    assert 0 <= gap <= tol, (step, gap)
 
 
 def assert_swaps_are_near_ties(batched, alone, rtol=1e-4):
