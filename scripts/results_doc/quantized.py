@@ -778,6 +778,8 @@ MARGIN_RUNS = {
     "passkey_margin_base": "the rotated 2-bit rows and 3-bit keys",
     "passkey_margin_sides": "the basis rows with 4- or 8-bit values or 4-bit keys",
     "passkey_margin_basis_seed47": "the basis rows again, on five more seeds",
+    "passkey_margin_basis_seed56": "the basis rows once each eigenvector's sign "
+    "is fixed, on three more seeds",
 }
 
 
