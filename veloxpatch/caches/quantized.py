@@ -364,9 +364,7 @@ def _basis(moment: mx.array, k: mx.array, group: int) -> mx.array:
 
 def _largest_positive(v: mx.array) -> mx.array:
     """The signs [..., 1, D] that make each eigenvector (column of v) have its
-    largest entry positive: LAPACK's sign is arbitrary and flips with float
-    rounding, and the rotation after the map rounds a flipped coordinate
-    differently (as sklearn's svd_flip fixes singular vectors)."""
+    largest entry positive (module doc, query basis; as sklearn's svd_flip)."""
     top = mx.argmax(mx.abs(v), axis=-2, keepdims=True)
     return mx.where(mx.take_along_axis(v, top, axis=-2) < 0, -1.0, 1.0)
 
