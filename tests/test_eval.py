@@ -9,7 +9,7 @@ from veloxpatch.errors import OptionError
 from veloxpatch.eval import text
 from veloxpatch.eval.arms import Arm, expand, parse_arm, split_arms
 from veloxpatch.eval.metrics import evaluate_continuation
-from veloxpatch.eval.passkey import make_case, make_cases, wilson
+from veloxpatch.eval.passkey import make_case, make_cases, sign_test, wilson
 from veloxpatch.eval.text import LICENSE_SPLITS, LICENSES, prose
 
 
@@ -111,6 +111,13 @@ def test_wilson_interval():
     lo, hi = wilson(8, 10)
     assert lo == pytest.approx(0.490, abs=1e-3) and hi == pytest.approx(0.943, abs=1e-3)
     assert wilson(0, 30)[0] == 0.0 and wilson(30, 30)[1] == 1.0
+
+
+def test_sign_test_is_mcnemars_exact_p():
+    assert sign_test(8, 1) == pytest.approx(20 / 512)  # 2 * (1 + 9) / 2**9
+    assert sign_test(1, 8) == sign_test(8, 1)
+    assert sign_test(3, 3) == 1.0 and sign_test(0, 0) == 1.0
+    assert sign_test(6, 0) == pytest.approx(2 / 64)
 
 
 @smollm

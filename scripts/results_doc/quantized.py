@@ -716,7 +716,7 @@ def _basis_passkey() -> list[str]:
         "seeds (`--seed 30` to `41`, out `passkey_basis8_seed$s`), the same "
         "command:",
     )
-    return out + _key_side() + _margins() + _key_layers()
+    return out + _key_side() + _margins() + _key_layers() + _since_sign_fix()
 
 
 def _seed_loop(cfg: dict, seeds: str, stem: str) -> list[str]:
@@ -780,6 +780,8 @@ MARGIN_RUNS = {
     "passkey_margin_basis_seed47": "the basis rows again, on five more seeds",
     "passkey_margin_basis_seed56": "the basis rows once each eigenvector's sign "
     "is fixed, on three more seeds",
+    "passkey_margin_basis_seed59": "the basis rows and mlx-lm's 4-bit cache on "
+    "eight more seeds, the runs' pooling rule (below) set before the run",
 }
 
 
@@ -924,6 +926,69 @@ def _key_layer_run(stem: str, intro: str) -> list[str]:
         ),
         "",
         splits,
+        "",
+    ]
+
+
+SIGN_FIX_RUNS = (
+    "passkey_prefill_paths",
+    "passkey_margin_basis_seed56",
+    "passkey_margin_basis_seed59",
+)
+
+
+def _since_sign_fix() -> list[str]:
+    """Every fresh answer read once the basis's signs were fixed, pooled per
+    arm and paired with full's in its own run (directly prefilled rows only)."""
+    from veloxpatch.eval.passkey import paired_interval, sign_test
+
+    if not all((rm.RESULTS / f"{s}.json").exists() for s in SIGN_FIX_RUNS):
+        return []
+    pairs: dict[str, list[tuple[dict, dict]]] = {}
+    for stem in SIGN_FIX_RUNS:
+        by: dict = {}
+        for r in load(stem)["raw"]:
+            by.setdefault(r["arm"], {})[r["case"], r["question"]] = r
+        full = by.pop("full")
+        for arm, answers in by.items():
+            if not arm.endswith(" replayed"):
+                paired = [(a, full[k]) for k, a in answers.items()]
+                pairs.setdefault(arm, []).extend(paired)
+    rows = []
+    for arm, answers in pairs.items():
+        missed = [(a["margin"] < 0, f["margin"] < 0) for a, f in answers]
+        only_arm = sum(a and not f for a, f in missed)
+        only_full = sum(f and not a for a, f in missed)
+        d = [a["nll"] - f["nll"] for a, f in answers]
+        lo, hi = paired_interval(d)
+        rows.append(
+            [
+                f"`{arm}`",
+                str(len(answers)),
+                f"{sum(a for a, _ in missed)} ({sum(f for _, f in missed)})",
+                f"{only_arm} / {only_full}",
+                f"{sign_test(only_arm, only_full):.2f}",
+                f"{statistics.fmean(d):+.3f} [{lo:+.3f}, {hi:+.3f}]",
+            ]
+        )
+    head = [
+        "arm",
+        "answers",
+        "misses (full's)",
+        "missed by the arm only / by full only",
+        "McNemar exact p",
+        "NLL − full's",
+    ]
+    names = ", ".join(f"`{s}`" for s in SIGN_FIX_RUNS)
+    return [
+        "Every fresh answer read since the signs were fixed, each paired with "
+        f"full's in its own run ({names}; the directly prefilled rows). The rule, "
+        "written before seeds 59-66 ran: the 2-bit rows' passkey counts as "
+        "full's if they miss at most 1% of the answers more than full and the "
+        "exact McNemar test on the answers only one of the two missed gives "
+        "p ≥ 0.05:",
+        "",
+        *table(head, rows),
         "",
     ]
 

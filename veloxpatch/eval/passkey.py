@@ -139,6 +139,14 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def sign_test(only_a: int, only_b: int) -> float:
+    """Exact two-sided McNemar p of paired right/wrong answers: `only_a`
+    answers only arm a missed, `only_b` only arm b; ties carry nothing."""
+    n = only_a + only_b
+    tail = sum(math.comb(n, i) for i in range(min(only_a, only_b) + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
 def paired_interval(diffs: list[float], resamples: int = 2000) -> list[float]:
     """95% bootstrap interval (seeded) of the mean of paired differences."""
     rng = random.Random(0)
