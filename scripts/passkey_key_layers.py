@@ -27,7 +27,7 @@ from veloxpatch import blas
 
 blas.preload()
 
-from passkey_margin import answer_rows, run_seeds  # noqa: E402
+from passkey_margin import add_case_arguments, answer_rows, run_seeds  # noqa: E402
 from passkey_recheck import add_arguments, model_and_arms  # noqa: E402
 
 from veloxpatch import api  # noqa: E402
@@ -88,7 +88,7 @@ def case_rows(model, tokenizer, case, arms, blocks, bits) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", required=True, help="first-last, as 52-53")
+    add_case_arguments(ap, "52-53")
     ap.add_argument("--blocks", required=True, help="layer blocks, as 0-14,15-24")
     ap.add_argument("--wide", type=int, default=8, help="the widened keys' bits")
     add_arguments(ap, "scripts/results/passkey_key_layers.json")

@@ -25,7 +25,14 @@ from veloxpatch import blas
 blas.preload()
 
 import mlx.core as mx  # noqa: E402
-from passkey_recheck import add_arguments, model_and_arms, seed_cases  # noqa: E402
+from passkey_recheck import (  # noqa: E402
+    CASES_PER_SEED,
+    add_arguments,
+    case_list,
+    model_and_arms,
+    picked_cases,
+    seed_cases,
+)
 
 from veloxpatch.context import copy_cache  # noqa: E402
 from veloxpatch.eval.agnostic import compressed  # noqa: E402
@@ -99,9 +106,29 @@ def seed_range(text: str) -> list[int]:
     return list(range(int(lo), int(hi or lo) + 1))
 
 
+def add_case_arguments(ap: argparse.ArgumentParser, seeds: str) -> None:
+    """Which cases: every case of `--seeds`, or the `--cases` named."""
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--seeds", help=f"first-last, as {seeds}")
+    which.add_argument("--cases", type=case_list, help="seed:index,..., as 59:2")
+
+
+def chosen_cases(tokenizer, args):
+    """("seed:index", case) of `--seeds` or `--cases`, in order."""
+    if args.cases:
+        picked = picked_cases(args.cases)
+    else:
+        picked = [(s, i) for s in seed_range(args.seeds) for i in range(CASES_PER_SEED)]
+    built: dict[int, list] = {}
+    for seed, index in picked:
+        if seed not in built:
+            built[seed] = seed_cases(tokenizer, seed, args)
+        yield f"{seed}:{index}", built[seed][index]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", required=True, help="first-last, as 42-51")
+    add_case_arguments(ap, "42-51")
     add_arguments(ap, "scripts/results/passkey_margin.json")
     args = ap.parse_args()
     model, tokenizer, arms = model_and_arms(args)
@@ -109,20 +136,19 @@ def main():
 
 
 def run_seeds(args, tokenizer, rows_of) -> None:
-    """Every case of `args.seeds` through `rows_of(case)` (its answers' rows),
-    each row printed as it comes; the results file at `args.out`."""
+    """Every chosen case (`chosen_cases`) through `rows_of(case)` (its answers'
+    rows), each row printed as it comes; the results file at `args.out`."""
     raw = []
-    for seed in seed_range(args.seeds):
-        for index, case in enumerate(seed_cases(tokenizer, seed, args)):
-            for row in rows_of(case):
-                raw.append(row | {"case": f"{seed}:{index}"})
-                print(
-                    row["arm"],
-                    raw[-1]["case"],
-                    row["question"],
-                    f"{row['nll']:.3f} {row['margin']:.2f}",
-                    flush=True,
-                )
+    for name, case in chosen_cases(tokenizer, args):
+        for row in rows_of(case):
+            raw.append(row | {"case": name})
+            print(
+                row["arm"],
+                name,
+                row["question"],
+                f"{row['nll']:.3f} {row['margin']:.2f}",
+                flush=True,
+            )
     write_results(
         args.out,
         {"run": run_info(), "config": vars(args), "table": summary(raw), "raw": raw},

@@ -35,6 +35,25 @@ def add_arguments(ap: argparse.ArgumentParser, out: str) -> None:
     ap.add_argument("--out", default=out)
 
 
+def picked_cases(text: str) -> list[tuple[int, int]]:
+    """ "59:2,63:5" -> [(59, 2), (63, 5)]."""
+    return [tuple(map(int, c.split(":"))) for c in text.split(",")]
+
+
+def case_list(text: str) -> str:
+    """`--cases` checked as an argparse type, so a bad one is a usage error
+    before the model loads; kept as written (the results file records it)."""
+    try:
+        picked = picked_cases(text)
+    except ValueError:
+        picked = [()]
+    if any(len(c) != 2 or not 0 <= c[1] < CASES_PER_SEED for c in picked):
+        raise argparse.ArgumentTypeError(
+            f"cases are seed:index, index 0 to {CASES_PER_SEED - 1}: {text!r}"
+        )
+    return text
+
+
 def model_and_arms(args):
     """(model, tokenizer, arms): full first, then `--arms`, bound to the model."""
     arms = [Arm("full", {})] + [parse_arm(a) for a in args.arms.split(";")]
@@ -57,15 +76,12 @@ def seed_cases(tokenizer, seed: int, args) -> list:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", required=True, help="seed:index,...")
+    ap.add_argument("--cases", required=True, type=case_list, help="seed:index,...")
     add_arguments(ap, "scripts/results/passkey_recheck.json")
     args = ap.parse_args()
-    picked = [tuple(map(int, c.split(":"))) for c in args.cases.split(",")]
-    if any(not 0 <= i < CASES_PER_SEED for _, i in picked):
-        ap.error(f"a case index is 0 to {CASES_PER_SEED - 1}")
     model, tokenizer, arms = model_and_arms(args)
     raw = []
-    for seed, index in picked:
+    for seed, index in picked_cases(args.cases):
         case = seed_cases(tokenizer, seed, args)[index]
         for row in run_agnostic_case(model, tokenizer, case, arms):
             raw.append(row | {"case": f"{seed}:{index}"})

@@ -2,6 +2,7 @@
 gives the NLL and margin that one forward over the whole answer gives, and the
 summary pairs each arm with full on the same answers."""
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -53,3 +54,16 @@ def test_summary_pairs_arms_with_full():
     assert -2.5 <= lo < hi <= -0.5
     assert passkey_margin.seed_range("42-46") == [42, 43, 44, 45, 46]
     assert passkey_margin.seed_range("7") == [7]
+
+
+def test_cases_are_named_or_a_seed_range_and_checked_before_loading(capsys):
+    ap = argparse.ArgumentParser()
+    passkey_margin.add_case_arguments(ap, "42-51")
+    assert ap.parse_args(["--cases", "59:2,63:5"]).cases == "59:2,63:5"
+    assert passkey_margin.picked_cases("59:2,63:5") == [(59, 2), (63, 5)]
+    for bad in (["--cases", "59:10"], ["--cases", "59"], ["--cases", "x:1"], []):
+        with pytest.raises(SystemExit):
+            ap.parse_args(bad)
+    assert "index 0 to 9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--cases", "59:2", "--seeds", "42-43"])
