@@ -22,6 +22,7 @@ from .quantized import (
     ROUND8_SEEDS,
     ROUND8_SEEN,
     decode_ratio,
+    sign_fix_pairs,
 )
 
 OURS = ["snapkv", "pyramidkv", "adakv", "h2o", "tova", "keyformer", "streaming_llm"]
@@ -290,10 +291,16 @@ def _passkey_sentence() -> str:
             (ok, n), full = sums[arm], sums["full"][0]
             parts.append(f"{what} {ok}/{n} ({full})")
             lost = lost or ok < full
+    fixed = sign_fix_pairs().get(BASIS, [])
+    if fixed:
+        ok = sum(a["margin"] >= 0 for a, _ in fixed)
+        full = sum(f["margin"] >= 0 for _, f in fixed)
+        parts.insert(0, f"signs fixed {ok}/{len(fixed)} ({full})")
+        lost = lost or ok < full
     if not parts:
         return ""
     word = "**Loss**, 2-bit" if lost else "2-bit"
-    return f"{word} passkey, full's in the same runs: {', '.join(parts)}."
+    return f"{word} passkey (full's, same runs): {', '.join(parts)}."
 
 
 def headline() -> list[str]:
