@@ -12,7 +12,8 @@ rounding, so their difference is the noise any block's must exceed.
         --blocks 0-14,15-24,25-29,0-29 \\
         --out scripts/results/passkey_key_layers.json
 
-`--blocks ""` reads the arm alone, both ways. One arm (a quantized one:
+`--blocks ""` reads the arm alone, both ways; `--cases 59:2,63:5` reads
+those cases instead of whole seeds. One arm (a quantized one:
 `kivi` or `kv_bits=`); cases are those of
 `veloxpatch eval --tasks passkey --protocol agnostic --cases 10 --seed <seed>`.
 """
