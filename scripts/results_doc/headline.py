@@ -278,25 +278,25 @@ def rotated_bullets() -> list[str]:
 
 
 def _passkey_sentence() -> str:
-    """2-bit rotated passkey against full in the same runs: the query basis
-    on every seed it ran, channel scaling on its seeds."""
+    """2-bit rotated passkey against full in the same runs: the query basis on
+    every answer since its sign fix (before it, on every seed it ran, until
+    those runs exist), channel scaling on its seeds."""
     parts, lost = [], False
-    for arm, seeds, what in (
-        (BASIS, BASIS_SEEDS, "fp16 basis"),
-        (BASIS, BASIS8_SEEDS, "8-bit"),
-        (ROUNDED, ROUND8_SEEN + ROUND8_SEEDS + ROUND8_FRESH, "scaled"),
-    ):
+    fixed = sign_fix_pairs().get(BASIS, [])
+    if fixed:
+        ok = sum(a["margin"] >= 0 for a, _ in fixed)
+        full = sum(f["margin"] >= 0 for _, f in fixed)
+        parts.append(f"basis {ok}/{len(fixed)} ({full})")
+        lost = ok < full
+    runs = [(ROUNDED, ROUND8_SEEN + ROUND8_SEEDS + ROUND8_FRESH, "scaled")]
+    if not fixed:
+        runs[:0] = [(BASIS, BASIS_SEEDS, "fp16 basis"), (BASIS, BASIS8_SEEDS, "8-bit")]
+    for arm, seeds, what in runs:
         sums = passkey_sums(seeds)
         if arm in sums:
             (ok, n), full = sums[arm], sums["full"][0]
             parts.append(f"{what} {ok}/{n} ({full})")
             lost = lost or ok < full
-    fixed = sign_fix_pairs().get(BASIS, [])
-    if fixed:
-        ok = sum(a["margin"] >= 0 for a, _ in fixed)
-        full = sum(f["margin"] >= 0 for _, f in fixed)
-        parts.insert(0, f"signs fixed {ok}/{len(fixed)} ({full})")
-        lost = lost or ok < full
     if not parts:
         return ""
     word = "**Loss**, 2-bit" if lost else "2-bit"
