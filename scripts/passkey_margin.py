@@ -26,12 +26,10 @@ blas.preload()
 
 import mlx.core as mx  # noqa: E402
 from passkey_recheck import (  # noqa: E402
-    CASES_PER_SEED,
     add_arguments,
     case_list,
+    chosen_cases,
     model_and_arms,
-    picked_cases,
-    seed_cases,
 )
 
 from veloxpatch.context import copy_cache  # noqa: E402
@@ -101,29 +99,11 @@ def summary(raw: list[dict]) -> list[dict]:
     return table
 
 
-def seed_range(text: str) -> list[int]:
-    lo, _, hi = text.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
-
-
 def add_case_arguments(ap: argparse.ArgumentParser, seeds: str) -> None:
     """Which cases: every case of `--seeds`, or the `--cases` named."""
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--seeds", help=f"first-last, as {seeds}")
     which.add_argument("--cases", type=case_list, help="seed:index,..., as 59:2")
-
-
-def chosen_cases(tokenizer, args):
-    """("seed:index", case) of `--seeds` or `--cases`, in order."""
-    if args.cases:
-        picked = picked_cases(args.cases)
-    else:
-        picked = [(s, i) for s in seed_range(args.seeds) for i in range(CASES_PER_SEED)]
-    built: dict[int, list] = {}
-    for seed, index in picked:
-        if seed not in built:
-            built[seed] = seed_cases(tokenizer, seed, args)
-        yield f"{seed}:{index}", built[seed][index]
 
 
 def main():

@@ -74,6 +74,25 @@ def seed_cases(tokenizer, seed: int, args) -> list:
     )
 
 
+def seed_range(text: str) -> list[int]:
+    lo, _, hi = text.partition("-")
+    return list(range(int(lo), int(hi or lo) + 1))
+
+
+def chosen_cases(tokenizer, args):
+    """("seed:index", case) of `args.cases`, else of every case of
+    `args.seeds`, in order (each seed's cases built once)."""
+    if args.cases:
+        picked = picked_cases(args.cases)
+    else:
+        picked = [(s, i) for s in seed_range(args.seeds) for i in range(CASES_PER_SEED)]
+    built: dict[int, list] = {}
+    for seed, index in picked:
+        if seed not in built:
+            built[seed] = seed_cases(tokenizer, seed, args)
+        yield f"{seed}:{index}", built[seed][index]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", required=True, type=case_list, help="seed:index,...")
@@ -81,11 +100,10 @@ def main():
     args = ap.parse_args()
     model, tokenizer, arms = model_and_arms(args)
     raw = []
-    for seed, index in picked_cases(args.cases):
-        case = seed_cases(tokenizer, seed, args)[index]
+    for name, case in chosen_cases(tokenizer, args):
         for row in run_agnostic_case(model, tokenizer, case, arms):
-            raw.append(row | {"case": f"{seed}:{index}"})
-            print(row["arm"], f"{seed}:{index}", row["correct"], repr(row["answer"]))
+            raw.append(row | {"case": name})
+            print(row["arm"], name, row["correct"], repr(row["answer"]))
     table = []
     for arm in dict.fromkeys(r["arm"] for r in raw):
         rows = [r for r in raw if r["arm"] == arm]

@@ -13,6 +13,7 @@ from tiny import prompt_tokens, tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import passkey_margin  # noqa: E402
+import passkey_recheck  # noqa: E402
 
 
 def test_one_token_a_call_is_one_forward_over_the_answer():
@@ -52,15 +53,15 @@ def test_summary_pairs_arms_with_full():
     )
     lo, hi = table["kivi"]["margin_minus_full_ci"]
     assert -2.5 <= lo < hi <= -0.5
-    assert passkey_margin.seed_range("42-46") == [42, 43, 44, 45, 46]
-    assert passkey_margin.seed_range("7") == [7]
+    assert passkey_recheck.seed_range("42-46") == [42, 43, 44, 45, 46]
+    assert passkey_recheck.seed_range("7") == [7]
 
 
 def test_cases_are_named_or_a_seed_range_and_checked_before_loading(capsys):
     ap = argparse.ArgumentParser()
     passkey_margin.add_case_arguments(ap, "42-51")
     assert ap.parse_args(["--cases", "59:2,63:5"]).cases == "59:2,63:5"
-    assert passkey_margin.picked_cases("59:2,63:5") == [(59, 2), (63, 5)]
+    assert passkey_recheck.picked_cases("59:2,63:5") == [(59, 2), (63, 5)]
     for bad in (["--cases", "59:10"], ["--cases", "59"], ["--cases", "x:1"], []):
         with pytest.raises(SystemExit):
             ap.parse_args(bad)

@@ -877,14 +877,20 @@ def _key_layers() -> list[str]:
     return out
 
 
+def _answers_by_arm(raw: list[dict]) -> dict[str, dict]:
+    """A margin run's rows as {arm: {(case, question): row}}."""
+    by: dict[str, dict] = {}
+    for r in raw:
+        by.setdefault(r["arm"], {})[r["case"], r["question"]] = r
+    return by
+
+
 def _key_layer_run(stem: str, intro: str) -> list[str]:
     from veloxpatch.eval.passkey import paired_interval
 
     res = load(stem)
     arm = res["config"]["arms"]
-    by = {}
-    for r in res["raw"]:
-        by.setdefault(r["arm"], {})[r["case"], r["question"]] = r
+    by = _answers_by_arm(res["raw"])
 
     def paired(label, base):
         d = [r["nll"] - by[base][k]["nll"] for k, r in by[label].items()]
@@ -956,9 +962,7 @@ def sign_fix_pairs() -> dict[str, list[tuple[dict, dict]]]:
         return {}
     pairs: dict[str, list[tuple[dict, dict]]] = {}
     for stem in SIGN_FIX_RUNS:
-        by: dict = {}
-        for r in load(stem)["raw"]:
-            by.setdefault(r["arm"], {})[r["case"], r["question"]] = r
+        by = _answers_by_arm(load(stem)["raw"])
         full = by.pop("full")
         for arm, answers in by.items():
             if not arm.endswith(" replayed"):
@@ -991,7 +995,7 @@ def _since_sign_fix() -> list[str]:
                 str(len(answers)),
                 f"{sum(a for a, _ in missed)} ({sum(f for _, f in missed)})",
                 f"{only_arm} / {only_full}",
-                f"{sign_test(only_arm, only_full):.2f}",
+                f"{p:.2f}",
                 f"{statistics.fmean(d):+.3f} [{lo:+.3f}, {hi:+.3f}]",
             ]
         )
