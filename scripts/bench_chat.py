@@ -610,6 +610,39 @@ def main():
                 flush=True,
             )
         write_results(args.out, result)  # after every arm: a long run keeps it
+        write_markdown(args.out, result)
+
+
+def write_markdown(out, res: dict):
+    """The run's table beside its results file (`.md`)."""
+    from results_markdown import mb, table, write_beside
+
+    def share(p: dict) -> str:
+        lo, hi = p["wilson95"]
+        return f"{p['correct']}/{p['cases']} [{lo:.2f}, {hi:.2f}]"
+
+    rows = []
+    for r in res["table"]:
+        if "error" in r:
+            rows.append([f"`{r['arm']}`", "failed: " + r["error"].splitlines()[0]])
+            rows[-1] += [""] * 5
+            continue
+        rows.append(
+            [
+                f"`{r['arm']}`",
+                share(r["needle_second_turn2_code"]),
+                share(r["needle_first_turn1_code"]),
+                mb(r.get("kv_bytes_per_conversation")),
+                f"{r['ttft_turn2_s_median']:.2f}",
+                r["cached_tokens_turn2_median"],
+                f"{r['cross_user_same']}/{r['pairs']}",
+            ]
+        )
+    head = ["arm", "number at turn 2", "number at turn 1", "KV MB/conversation"]
+    head += ["turn-2 TTFT s", "turn-2 cached tokens", "cross-user same"]
+    title = "Chat through the server: turn 2 asks what turn 1 did not"
+    cmd = ".venv/bin/python scripts/bench_chat.py"
+    return write_beside(out, res, title, table(head, rows), cmd)
 
 
 # settings the documents and questions depend on: an added arm must share them

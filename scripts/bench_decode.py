@@ -62,6 +62,29 @@ def decode_times(model, tail, caches, n) -> list[float]:
     return times
 
 
+def write_markdown(out, res: dict):
+    """The run's table beside its results file (`.md`)."""
+    from results_markdown import mb, table, write_beside
+
+    rows = [
+        [
+            f"`{r['arm']}`",
+            f"{r['decode_tok_per_s_median']:.2f}",
+            f"{r['ratio_vs_unpatched_median']:.2f} "
+            f"[{r['ratio_min']:.2f}, {r['ratio_max']:.2f}]",
+            mb(r.get("kv_bytes")),
+        ]
+        for r in res["table"]
+    ]
+    head = ["arm", "tok/s", "vs unpatched [min, max]", "KV MB"]
+    body = table(head, rows)
+    title = "Decode speed against unpatched mlx-lm"
+    return write_beside(out, res, title, body, f"{PY} scripts/bench_decode.py")
+
+
+PY = ".venv/bin/python"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=4000)
@@ -148,6 +171,7 @@ def main():
     raw = {"rates": rates, "early": early, "late": late}
     result = {"run": info, "config": vars(args), "table": table, "raw": raw}
     write_results(args.out, result)
+    write_markdown(args.out, result)
     print(
         f"\n{'arm':<30} {'tok/s':>7} {'ratio':>6} {'[min, max]':>14} "
         f"{'early':>6} {'late':>6} {'KV MB':>8}"

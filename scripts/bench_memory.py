@@ -357,6 +357,35 @@ def parse_args(argv=None):
     return args
 
 
+def write_markdown(out, res: dict):
+    """The run's table beside its results file (`.md`): one row per arm and
+    context, peaks above the weights."""
+    from results_markdown import mb, table, write_beside
+
+    rows = []
+    for r in res["rows"]:
+        name = [f"`{r['arm']}`", f"{r['context']:,}", r.get("prefill_step_size", "")]
+        if "error" in r:
+            rows.append(name + ["failed: " + r["error"].splitlines()[0]] + [""] * 4)
+            continue
+        rows.append(
+            name
+            + [
+                mb(r["prefill_peak_bytes"]),
+                mb(r["decode_peak_bytes"]),
+                mb(r.get("kv_peak_bytes")),
+                r.get("prefill_tok_s", ""),
+                r.get("decode_tok_s", ""),
+            ]
+        )
+    head = ["arm", "context", "chunk", "prefill peak MB", "decode peak MB"]
+    head += ["KV peak MB", "prefill tok/s", "decode tok/s"]
+    title = "Peak memory above the weights, prefill and decode"
+    cmd = ".venv/bin/python scripts/bench_memory.py"
+    rename = {"prefill_step_size": "prefill_step"}
+    return write_beside(out, res, title, table(head, rows), cmd, rename)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.child:
@@ -404,6 +433,7 @@ def main(argv=None):
             res["seconds"] = round(time.monotonic() - t0, 1)
             write_results(args.out, res)  # after every run: a partial file survives
             print(f"{report(row)}  [{res['seconds']:.0f} s]", flush=True)
+    write_markdown(args.out, res)
     print(f"results: {args.out}")
     if plot != "none":
         write_plot(res, plot)

@@ -274,7 +274,33 @@ def main():
                 f"batched {row['batched']}",
                 flush=True,
             )
-    write_results(args.out, {"run": info, "config": vars(args), "table": rows})
+    res = {"run": info, "config": vars(args), "table": rows}
+    write_results(args.out, res)
+    write_markdown(args.out, res)
+
+
+def write_markdown(out, res: dict):
+    """The run's table beside its results file (`.md`)."""
+    from results_markdown import mb, table, write_beside
+
+    rows = [
+        [
+            f"`{r['arm']}`",
+            r["concurrency"],
+            f"{r['aggregate_tokens_per_s']:.2f}",
+            f"{r['ttft_s_median']:.1f}",
+            mb(r.get("kv_bytes_per_request")),
+            mb(r.get("full_kv_bytes_per_request")),
+            mb(r.get("peak_rss_bytes")),
+            "yes" if r.get("batched") else "no",
+        ]
+        for r in res["table"]
+    ]
+    head = ["arm", "requests", "agg tok/s", "TTFT s", "KV MB/request"]
+    head += ["full KV MB", "peak RSS MB", "batched"]
+    title = "Serving: concurrent chat requests"
+    cmd = ".venv/bin/python scripts/bench_serve.py"
+    return write_beside(out, res, title, table(head, rows), cmd)
 
 
 if __name__ == "__main__":

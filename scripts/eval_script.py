@@ -1,9 +1,12 @@
 """What scripts/quality_*.py share: `veloxpatch eval` run with a script's own
-defaults, so there is one harness (sampling, tables, results schema)."""
+defaults, so there is one harness (sampling, tables, results schema); the run's
+table is written beside its results file (`.md`, results_markdown.py)."""
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 
 def run_eval(doc: str, defaults: dict, argv=None, standalone_mode=True):
@@ -16,10 +19,37 @@ def run_eval(doc: str, defaults: dict, argv=None, standalone_mode=True):
     if {"-h", "--help"} & set(argv):
         print(doc)  # what the script is for, before eval's options
     # usage and error hints name `veloxpatch eval`, which this is
-    return main(
-        ["eval", *argv],
-        prog_name="veloxpatch",
-        standalone_mode=standalone_mode,
-        default_map={"eval": defaults},
-        show_default=True,
-    )
+    try:
+        done = main(
+            ["eval", *argv],
+            prog_name="veloxpatch",
+            standalone_mode=standalone_mode,
+            default_map={"eval": defaults},
+            show_default=True,
+        )
+    except SystemExit as exit_:
+        if exit_.code in (0, None):
+            _markdown(argv, defaults)
+        raise
+    _markdown(argv, defaults)
+    return done
+
+
+def out_path(argv: list[str], defaults: dict) -> str:
+    """The results file a run writes: `--out` as typed, else the default."""
+    for i, arg in enumerate(argv):
+        if arg == "--out" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--out="):
+            return arg.split("=", 1)[1]
+    return defaults["out"]
+
+
+def _markdown(argv: list[str], defaults: dict) -> None:
+    if {"-h", "--help"} & set(argv):
+        return
+    from results_markdown import eval_beside
+
+    out = Path(out_path(argv, defaults))
+    if out.is_file():
+        eval_beside(out, json.loads(out.read_text()))

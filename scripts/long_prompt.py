@@ -135,7 +135,28 @@ def main():
             out["table"].append(run_arm(name, every[name], f.name, args))
             # after every arm: an interrupted run keeps what it measured
             args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_markdown(args.out, out)
     print(f"results: {args.out}")
+
+
+def write_markdown(out, res: dict):
+    """The run's table beside its results file (`.md`)."""
+    from results_markdown import mb, table, write_beside
+
+    rows = [
+        [
+            f"`{r['arm']}`",
+            f"{r['prompt_tokens']:,}" if "prompt_tokens" in r else "",
+            mb(r.get("peak_bytes")),
+            mb(r.get("kv_held_bytes")),
+            r.get("prefill_tok_s", r.get("error", "")),
+        ]
+        for r in res["table"]
+    ]
+    head = ["arm", "prompt tokens", "peak MB", "KV held MB", "prefill tok/s"]
+    title = "A prompt past the model's context through `veloxpatch generate`"
+    cmd = ".venv/bin/python scripts/long_prompt.py"
+    return write_beside(out, res, title, table(head, rows), cmd)
 
 
 if __name__ == "__main__":

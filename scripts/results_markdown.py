@@ -1,206 +1,142 @@
-"""Markdown from results files: family x budget tables for `veloxpatch eval`
-results, and the helpers `make_results_doc.py` builds docs/results.md with.
+"""Markdown beside results files: every benchmark the README cites writes `X.md`
+next to its `X.json` (what ran, when, and its table), through `write_beside`.
 
-.venv/bin/python scripts/results_markdown.py scripts/results/eval_passkey.json
+Re-make the table of committed results, with no new measurement (SCRIPT is the
+script that wrote them, `eval` for `veloxpatch eval` and scripts/quality_*.py):
+
+    .venv/bin/python scripts/results_markdown.py bench_decode \\
+        scripts/results/bench_decode.json
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "scripts" / "results"
-PY = ".venv/bin/python"  # how the results pages write a script's command
-# docs/results.md links to the results files relative to itself
-LINK = "../scripts/results"
-# the A2ATS runs' codebook is generated, not committed
-CODEBOOK = "scripts/results/smollm2_a2ats_256.safetensors"
-REGEN_CODEBOOK = (
-    f"The codebook `{CODEBOOK}` is not committed (13 MB); make it first with "
-    f"`veloxpatch calibrate --algo a2ats --tokens 8192 --codebook-size 256 --out "
-    f"{CODEBOOK}`."
-)
-
-
-LOADED: set[str] = set()  # which results files the document has used
-
-
-def load(name: str) -> dict:
-    LOADED.add(name)
-    return json.loads((RESULTS / f"{name}.json").read_text())
-
-
-# the old quality_ppl.py's continuation columns, by their `veloxpatch eval` names
-_OLD_PPL = {"perplexity": "perplexity_mean", "agreement": "agreement_mean"}
-_OLD_PPL |= {"kl": "kl_mean"}
-
-
-def part_of(res: dict, task: str) -> dict:
-    """The `task` ("passkey" or "continuation") part of a results file, with
-    `table`, `raw` and (passkey) `smallest_budget_for_90pct_of_full`, in
-    `veloxpatch eval`'s schema, from either that schema ({task: {...}}) or that
-    of the scripts before they called it (one task, its table at the top, ppl
-    columns named perplexity_mean, ..., kv_bytes)."""
-    if task in res:
-        return res[task]
-    if task != "continuation":
-        return res
-    table = [
-        {**r, **{new: r[old] for new, old in _OLD_PPL.items()}}
-        | {"kv_mb": r["kv_bytes"] / 1e6}
-        for r in res["table"]
-    ]
-    return {**res, "table": table}
-
-
-def table_of(res: dict, task: str) -> list[dict]:
-    return part_of(res, task)["table"]
-
-
-def short(family: str) -> str:
-    # calibration files make long labels: keep the file's name only
-    for key in ("filters=", "codebook=", "scorer="):
-        while f"{key}scripts/results/" in family:
-            family = family.replace(f"{key}scripts/results/", key)
-    return family
-
-
-def split_arm(arm: str) -> tuple[str, int | None]:
-    """'knorm:budget=256,recent=64' -> ('knorm:recent=64', 256)."""
-    name, _, opts = arm.partition(":")
-    rest, budget = [], None
-    for kv in filter(None, opts.split(",")):
-        if kv.startswith("budget="):
-            budget = int(kv.split("=", 1)[1])
-        else:
-            rest.append(kv)
-    return (f"{name}:{','.join(rest)}" if rest else name), budget
-
-
-def grid(table, cell, label=None) -> list[str]:
-    """One row per family, one column per budget, plus a 'no budget' column."""
-    label = label or (lambda fam: f"`{short(fam)}`")
-    budgets = sorted({t["budget"] for t in table if t["budget"] is not None})
-    families = list(dict.fromkeys(t["family"] for t in table))
-    unbudgeted = any(t["budget"] is None for t in table)
-    head = [str(b) for b in budgets] + (["no budget"] if unbudgeted else [])
-    lines = ["| arm | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
-    for fam in families:
-        by = {t["budget"]: t for t in table if t["family"] == fam}
-        cells = [cell(by[b]) if b in by else "" for b in budgets]
-        if unbudgeted:
-            cells.append(cell(by[None]) if None in by else "")
-        lines.append(f"| {label(fam)} | " + " | ".join(cells) + " |")
-    return lines
+PY = ".venv/bin/python"
+# config entries a run records that are not command-line flags
+NOT_FLAGS = {"added", "banned", "command", "depths", "system_message"}
 
 
 def table(head: list[str], rows: list[list]) -> list[str]:
+    def cell(c) -> str:
+        return str(c).replace("|", "\\|").replace("\n", " ")
+
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
 
 
-def by_key(rows: list[dict], key: str = "arm") -> dict:
-    return {r[key]: r for r in rows}
+def mb(nbytes) -> str:
+    return "" if nbytes is None else f"{nbytes / 1e6:.1f}"
 
 
 def count(r: dict) -> str:
     return f"{r['correct']}/{r['cases']}"
 
 
-def wilson(r: dict) -> str:
-    lo, hi = r["wilson95"]
-    return f"{count(r)} [{lo:.2f}, {hi:.2f}]"
-
-
-def ratio(r: dict) -> str:
-    """Median ratio against unpatched with the repeats' range (bench tables)."""
-    m, lo, hi = r["ratio_vs_unpatched_median"], r["ratio_min"], r["ratio_max"]
-    return f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
-
-
-def span(values, fmt="{:+.3f}") -> str:
-    """'lo to hi' of the formatted values, or one value when they agree."""
-    lo, hi = fmt.format(min(values)), fmt.format(max(values))
-    return lo if lo == hi else f"{lo} to {hi}"
-
-
-def mb(nbytes: float) -> str:
-    return f"{nbytes / 1e6:.1f}"
-
-
-def meta(name: str, res: dict) -> str:
-    """One line of what the run recorded: file, commit, date, model, chunking."""
-    run, cfg = res.get("run", {}), res.get("config", {})
-    parts = [f"[`{name}.json`]({LINK}/{name}.json)"]
+def run_line(res: dict) -> str:
+    """Commit, date and versions the run recorded."""
+    run = res.get("run", {})
+    parts = []
     if "git_commit" in run:
-        dirty = " with uncommitted changes" if run.get("git_dirty") else ""
-        parts.append(f"commit `{run['git_commit']}`{dirty}")
+        dirty = str(run.get("git_dirty")) == "True"
+        dirty_note = " (uncommitted changes)" if dirty else ""
+        parts.append(f"commit `{run['git_commit']}`{dirty_note}")
     if "time_utc" in run:
         parts.append(run["time_utc"][:10])
-    if "model" in cfg:
-        model = cfg["model"] or "embedded SmolLM2-135M-Instruct"
-        parts.append(f"model {model}")
-    if "prefill_step_size" in cfg:
-        parts.append(f"prefill_step_size {cfg['prefill_step_size']}")
     if "mlx" in run:
         parts.append(f"mlx {run['mlx']}, mlx-lm {run.get('mlx_lm', '?')}")
-    if "blas" in run:
-        blas = run["blas"]
-        parts.append("OpenBLAS" if blas.startswith("OpenBLAS") else blas)
-    return "Run: " + " · ".join(parts) + "."
+    if "machine" in run:
+        parts.append(run["machine"])
+    return "Run: " + " · ".join(parts) + "." if parts else ""
 
 
-def unread_eval_options(cfg: dict) -> set[str]:
-    """`veloxpatch eval` options that none of a run's tasks reads: results record
-    every option, but the CLI refuses one typed for a task not asked for."""
-    from veloxpatch.eval.tasks import TASKS
-
-    asked = [t.strip() for t in str(cfg.get("tasks", "")).split(",")]
-    read = {o for t in asked if t in TASKS for o in TASKS[t].options()}
-    return {o for task in TASKS.values() for o in task.options()} - read
-
-
-def command(prog: str, cfg: dict, keys: list[str], rename=None, keep=()) -> list[str]:
-    """The command that wrote a results file, rebuilt from its recorded config
-    (keys it did not record, None, empty strings not in `keep`, and eval
-    options its tasks do not read are left out)."""
-    rename = rename or {}
-    unread = unread_eval_options(cfg) if prog == "veloxpatch eval" else set()
-    args = []
-    for key in keys:
-        value = cfg.get(key)
-        if value is None or (value == "" and key not in keep) or key in unread:
+def command(prog: str, cfg: dict, rename: dict | None = None) -> str:
+    """The command rebuilt from the config the run recorded (its flags by name;
+    `rename` maps a config key to a flag named otherwise)."""
+    args = [prog]
+    for key, value in cfg.items():
+        if key in NOT_FLAGS or value is None or value is False or value == "":
             continue
-        flag = "--" + rename.get(key, key).replace("_", "-")
+        flag = "--" + (rename or {}).get(key, key).replace("_", "-")
         if value is True:
             args.append(flag)
-        elif value is not False:
+        else:
+            if isinstance(value, list):
+                value = ",".join(str(v) for v in value)
             args.append(f"{flag} {shlex.quote(str(value))}")
-    body = " \\\n    ".join([prog, *args])
-    return ["```bash", body, "```"]
+    return " \\\n    ".join(args)
 
 
-def main():
-    for path in sys.argv[1:]:
-        res = json.load(open(path))
-        print(f"<!-- {path} -->")
-        if "passkey" in res:
-            print("\n".join(grid(res["passkey"]["table"], count)))
-            print()
-        if "continuation" in res:
-            t = res["continuation"]["table"]
-            for name, fmt in (
-                ("perplexity", "{:.2f}"),
-                ("kl", "{:.3f}"),
-                ("agreement", "{:.2f}"),
-            ):
-                print(f"{name}:")
-                print("\n".join(grid(t, lambda r, n=name, f=fmt: f.format(r[n]))))
-                print()
+def write_beside(
+    out, res: dict, title: str, body: list[str], prog: str, rename=None
+) -> Path:
+    """Write `out` with its suffix `.md`: title, run, command, then `body`."""
+    path = Path(out).with_suffix(".md")
+    cmd = res.get("command") or command(prog, res.get("config", {}), rename)
+    lines = [f"# {title}", "", f"Results: [`{Path(out).name}`]({Path(out).name})."]
+    lines += [run_line(res), "", "```bash", cmd, "```", "", *body, ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def grid(rows: list[dict], cell) -> list[str]:
+    """One row per arm family, one column per budget (`veloxpatch eval` tables)."""
+    budgets = sorted({r["budget"] for r in rows if r.get("budget") is not None})
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    loose = any(r.get("budget") is None for r in rows)
+    head = ["arm"] + [str(b) for b in budgets] + (["no budget"] if loose else [])
+    out = []
+    for fam in families:
+        by = {r.get("budget"): r for r in rows if r["family"] == fam}
+        keys = budgets + ([None] if loose else [])
+        out.append([f"`{fam}`"] + [cell(by[b]) if b in by else "" for b in keys])
+    return table(head, out)
+
+
+def eval_markdown(res: dict) -> list[str]:
+    """`veloxpatch eval`'s tasks: passkey answers and continuation KL/perplexity,
+    arms against budgets."""
+    body = []
+    if "passkey" in res:
+        body += ["Passkey answers right (KV MB held):", ""]
+        cell = lambda r: f"{count(r)} ({r['kv_mb']:.1f})"  # noqa: E731
+        body += grid(res["passkey"]["table"], cell) + [""]
+    if "continuation" in res:
+        rows = res["continuation"]["table"]
+        for name, fmt in (("kl", "{:.4f}"), ("perplexity", "{:.2f}")):
+            body += [f"Continuation {name}:", ""]
+            body += grid(rows, lambda r, n=name, f=fmt: f.format(r[n])) + [""]
+        body += ["KV MB:", ""] + grid(rows, lambda r: f"{r['kv_mb']:.1f}") + [""]
+    return body
+
+
+def eval_beside(out, res: dict) -> Path:
+    prog = "veloxpatch eval"
+    return write_beside(out, res, prog, eval_markdown(res), prog)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print("usage: results_markdown.py SCRIPT RESULTS.json...", file=sys.stderr)
+        return 2
+    script, files = argv[0], argv[1:]
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        print(f"no such results file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if script == "eval":
+        write = eval_beside
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        write = importlib.import_module(script).write_markdown
+    for f in files:
+        print(write(f, json.loads(Path(f).read_text())))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

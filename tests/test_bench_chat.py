@@ -1,7 +1,7 @@
 """scripts/bench_chat.py's pure parts (no server, no model): the interval, what
 counts as a right number, the messages a chat client sends, the cross-user
-comparison, the per-arm summary, and its results-doc section; and the second
-turn scripts/chat_kept_cache.py appends to a kept cache."""
+comparison, the per-arm summary, and its Markdown table; and (a study, marked)
+the second turn scripts/studies/chat_kept_cache.py appends to a kept cache."""
 
 import json
 import sys
@@ -151,31 +151,22 @@ def test_never_a_calibration_split():
             bc.check_text(split)
 
 
-def test_results_doc_section(tmp_path, monkeypatch):
-    import results_markdown as rm
-    from results_doc import chat
-
-    monkeypatch.setattr(rm, "RESULTS", tmp_path)
-    assert chat.chat_bench() == []  # not run yet: no section
-    row = _row()
+def test_markdown_table_beside_the_results(tmp_path):
     res = {
         "run": {"git_commit": "abc1234", "time_utc": "2026-01-01T00:00:00Z"},
         "command": ".venv/bin/python scripts/bench_chat.py",
-        "config": {
-            "conversations": 3,
-            "context_tokens": 1500,
-            "text": "evaluation",
-            "depths": list(bc.DEPTHS),
-            "cross_user": 2,
-        },
-        "table": [row, {"arm": "kvzip", "error": "RuntimeError: a | b\nmore"}],
+        "config": {"conversations": 3},
+        "table": [_row(), {"arm": "kvzip", "error": "RuntimeError: a | b\nmore"}],
     }
-    (tmp_path / "bench_chat.json").write_text(json.dumps(res))
-    lines = chat.chat_bench()
-    assert lines[0].startswith("## Chat")
-    rows = [line for line in lines if line.startswith("| `")]
-    assert "2/3 [" in rows[0] and "1/2 |" in rows[0]
-    assert rows[1].count("|") == rows[0].count("|")  # a failed arm keeps the table
+    out = tmp_path / "bench_chat.json"
+    text = bc.write_markdown(out, res).read_text()
+    assert (tmp_path / "bench_chat.md").is_file()
+    assert "[`bench_chat.json`](bench_chat.json)" in text and "`abc1234`" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert rows[0].startswith("| `snapkv` | 2/3 [0.21, 0.94] | 2/2 [")
+    assert rows[0].endswith("| 1/2 |")
+    # a failed arm keeps the table: its error is one escaped cell
+    assert rows[1].count("|") - rows[1].count("\\|") == rows[0].count("|")
 
 
 def test_kvzap_is_served_with_its_scorer_and_added_arms_share_the_documents(
@@ -214,7 +205,9 @@ class ChatML:
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
+@pytest.mark.study
 def test_a_kept_cache_second_turn_is_what_the_template_adds_after_the_reply():
+    sys.path.insert(0, str(ROOT / "scripts" / "studies"))
     import chat_kept_cache as kc
 
     tok, reply = ChatML(), " The text is about Python. \n"

@@ -253,45 +253,21 @@ def test_plot_has_one_line_per_arm_and_chunk_size():
     assert "prefill chunk 512" in svg and "16,384" in svg
 
 
-def test_results_doc_section(tmp_path, monkeypatch):
-    import results_markdown as rm
-    from results_doc import peak
-
-    monkeypatch.setattr(rm, "RESULTS", tmp_path)
-    assert peak.peak_memory() == []  # not run yet: no section
-    res = _results()
-    (tmp_path / "bench_memory_peak.json").write_text(json.dumps(res))
-    lines = peak.peak_memory()
-    text = "\n".join(lines)
-    assert lines[0] == "## Peak memory per phase against context length"
-    assert "chunks of **512 tokens**" in text
-    assert "### 2,048 tokens, prefill chunk 512" in text
-    assert "### 16,384 tokens, prefill chunk 512" in text
-    assert "at 16,384 only memory and speed are measured" in text
-    assert "bench_memory_peak.svg" not in text  # no plot file, no image
-    rows = [line for line in lines if line.startswith("| `")]
+def test_markdown_table_beside_the_results(tmp_path):
+    out = tmp_path / "bench_memory_peak.json"
+    text = bm.write_markdown(out, _results()).read_text()
+    assert "--prefill-step 512" in text and "--contexts 2048,16384" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(rows) == 7
-    assert rows[0].startswith("| `unpatched` | 300.0 | 1.00x | 100.0 |")
-    assert rows[2].startswith("| `snapkv:budget=512,chunk=256,compress=chunks` | 60.0")
+    assert rows[0].startswith("| `unpatched` | 2,048 | 512 | 300.0 | 100.0 | 90.0 |")
     failed = next(r for r in rows if "failed" in r)
     assert "a\\|b" in failed  # escaped: one cell
     assert failed.count("|") - failed.count("\\|") == rows[0].count("|")
-    # the modes compared at the longest context the model was trained for
-    assert "0.15x its prompt-end mode's (400.0 MB) and 0.20x `unpatched`'s" in text
-    assert "--prefill-step 512" in text and "--contexts 2048,16384" in text
-
-    (tmp_path / "bench_memory_peak.svg").write_text(bm.plot_svg(res))
-    assert "](../scripts/results/bench_memory_peak.svg)" in "\n".join(
-        peak.peak_memory()
-    )
 
 
-def test_long_prompt_section(tmp_path, monkeypatch):
-    import results_markdown as rm
-    from results_doc import peak
+def test_long_prompt_markdown(tmp_path):
+    import long_prompt
 
-    monkeypatch.setattr(rm, "RESULTS", tmp_path)
-    assert peak.long_prompt() == []
     rows = [
         dict(arm=a, prompt_tokens=16384, peak_bytes=p, kv_held_bytes=k)
         | dict(prefill_tok_s=100.0, seconds=10.0, command="x", reply="y")
@@ -301,7 +277,6 @@ def test_long_prompt_section(tmp_path, monkeypatch):
     config |= dict(arms="unpatched,snapkv_chunks", out="x.json", max_tokens=16)
     run = {"git_commit": "abc1234", "time_utc": "2026-01-01T00:00:00Z"}
     res = {"run": run, "config": config, "table": rows}
-    (tmp_path / "long_prompt.json").write_text(json.dumps(res))
-    text = "\n".join(peak.long_prompt())
-    assert "| `snapkv_chunks` | 16,384 | 60.0 | 0.07x | 20.0 | 100.0 |" in text
+    text = long_prompt.write_markdown(tmp_path / "lp.json", res).read_text()
+    assert "| `snapkv_chunks` | 16,384 | 60.0 | 20.0 | 100.0 |" in text
     assert "--max-kv-bytes 24MB" in text and "--chunk 256" in text

@@ -1,16 +1,20 @@
-"""scripts/passkey_key_layers.py: a block's keys are widened in those layers
+"""scripts/studies/passkey_key_layers.py: a block's keys are widened in those layers
 alone, and attention then reads them nearer to exact."""
 
 import sys
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "studies"))
 import passkey_key_layers  # noqa: E402
+
+# a study's tests: deselected by default, run with `pytest -m study`
+pytestmark = pytest.mark.study
 
 OPTS = dict(bits=2, residual=32, kv_rotate="query_basis", kv_round="query")
 

@@ -1,4 +1,4 @@
-"""scripts/passkey_margin.py: an answer teacher-forced one token per call
+"""scripts/studies/passkey_margin.py: an answer teacher-forced one token per call
 gives the NLL and margin that one forward over the whole answer gives, and the
 summary pairs each arm with full on the same answers."""
 
@@ -11,9 +11,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from tiny import prompt_tokens, tiny_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "studies"))
 import passkey_margin  # noqa: E402
 import passkey_recheck  # noqa: E402
+
+# a study's tests: deselected by default, run with `pytest -m study`
+pytestmark = pytest.mark.study
 
 
 def test_one_token_a_call_is_one_forward_over_the_answer():

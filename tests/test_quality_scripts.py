@@ -118,15 +118,25 @@ def test_decode_lead_in_without_a_lead_in_is_refused_before_any_arm(monkeypatch)
         task.run(None, None, [Arm("full")], tick=lambda: None)
 
 
-def test_the_results_doc_reads_both_schemas():
-    import results_markdown as rm
+def test_a_script_writes_its_table_beside_its_results(tmp_path, monkeypatch):
+    import eval_script
 
-    old = json.loads((rm.RESULTS / "ppl_core.json").read_text())
-    eval_schema = {"continuation": {"table": rm.table_of(old, "continuation")}}
-    for res in (old, eval_schema):
-        full = rm.table_of(res, "continuation")[0]
-        assert full["arm"] == "full" and full["kl"] == 0 and full["kv_mb"] > 0
-    pk = json.loads((rm.RESULTS / "passkey_accumulated.json").read_text())
-    wrapped = {"passkey": {"table": pk["table"], "raw": pk["raw"]}}
-    assert rm.table_of(wrapped, "passkey") == rm.table_of(pk, "passkey")
-    assert rm.part_of(pk, "passkey")["raw"] == pk["raw"]
+    from veloxpatch import cli
+
+    out = tmp_path / "r.json"
+    passkey = {"table": [_passkey_row("full", None, 3), _passkey_row("tova", 128, 1)]}
+    res = {"run": {"git_commit": "abc1234"}, "config": {"tasks": "passkey"}}
+
+    def fake_main(argv, **kw):
+        out.write_text(json.dumps(res | {"passkey": passkey}))
+
+    monkeypatch.setattr(cli, "main", fake_main)
+    eval_script.run_eval("doc", {"out": "unused.json"}, ["--out", str(out)], False)
+    text = out.with_suffix(".md").read_text()
+    assert "veloxpatch eval \\\n    --tasks passkey" in text
+    assert "| arm | 128 | no budget |" in text
+    assert "| `tova` | 1/4 (2.0) |  |" in text and "| `full` |  | 3/4 (2.0) |" in text
+
+
+def _passkey_row(family, budget, correct):
+    return dict(family=family, budget=budget, correct=correct, cases=4, kv_mb=2.0)
