@@ -114,9 +114,23 @@ def eval_markdown(res: dict) -> list[str]:
     return body
 
 
+def unread_eval_options(cfg: dict) -> set[str]:
+    """`veloxpatch eval` options none of a run's tasks reads: the results record
+    every option, but the CLI refuses one typed for a task not asked for."""
+    from veloxpatch.eval.tasks import TASKS
+
+    asked = [t.strip() for t in str(cfg.get("tasks", "")).split(",")]
+    read = {o for t in asked if t in TASKS for o in TASKS[t].options()}
+    return {o for task in TASKS.values() for o in task.options()} - read
+
+
 def eval_beside(out, res: dict) -> Path:
     prog = "veloxpatch eval"
-    return write_beside(out, res, prog, eval_markdown(res), prog)
+    cfg = res.get("config", {})
+    unread = unread_eval_options(cfg)
+    shown = {**res, "config": {k: v for k, v in cfg.items() if k not in unread}}
+    rename = {"plot_path": "plot"}  # the CLI flag is --plot
+    return write_beside(out, shown, prog, eval_markdown(res), prog, rename)
 
 
 def main(argv: list[str]) -> int:

@@ -28,7 +28,7 @@ kernels cannot express; the uniform grid's error is within 1.1% of theirs at
 2 bits, 8% at 3, `gaussian_step`). The three share one layout and kernels.
 "mxfp4" is mlx's microscaling 4-bit float (e2m1 codes, one shared 8-bit
 exponent per 32 values, no bias), read by the same kernels in its mode.
-scripts/quantizer_kl.py compares them on SmolLM2.
+scripts/studies/quantizer_kl.py compares them on SmolLM2.
 
 TurboQuant's 1-bit residual (`kv_qjl`, keys per token): a key is quantized on
 bits - 1 bits, and its residual r = k - k_hat is sketched by QJL, the signs of
@@ -75,7 +75,7 @@ with the state and counted in the bytes held, on 8 bits with a step a column
 (4.3 KB a KV head at D 64); keys are mapped by the inverse of A^-1 as
 stored, so q . k stays exact and only the basis is rounded. On SmolLM2's keys
 the 2-bit attention KL of the next 256 queries falls by a fifth against the
-scaling, with and without the rounding (`scripts/key_basis_study.py`).
+scaling, with and without the rounding (`scripts/studies/key_basis_study.py`).
 
 Rounding for the queries (`rounds`, kv_round="query"): nearest rounding
 spreads a key's error evenly, but a logit sees q . e, and queries look along
