@@ -89,6 +89,8 @@ class KVzapOptions(ModelWideOptions):
     def chooses_over_layers(self):
         return self.threshold is None and not self.layerwise  # budget mode
 
+    split_hint = "use layerwise=True or a threshold"
+
     def prompt_side_bytes(self, heads, head_dim, dtype_size):
         # budget mode: the prompt's newest `tail` queries and their inputs
         if self.threshold is not None:
@@ -109,7 +111,7 @@ class KVzapOptions(ModelWideOptions):
         self.loaded = None  # per layer {w1, b1[, w2, b2]}, once bound to a model
         self.hidden = None  # the width of the hidden state, once bound
 
-    def bind(self, model, dims):
+    def load(self, model, dims):
         """Load and check the scorer file against `model` (before patching)."""
         if self.scorer is None:
             raise OptionError(
@@ -118,7 +120,6 @@ class KVzapOptions(ModelWideOptions):
             )
         self.hidden = hidden_size(model)
         self.loaded = load_scorer(self.scorer, dims, self.hidden)
-        return super().bind(model, dims)
 
 
 def hidden_size(model) -> int | None:

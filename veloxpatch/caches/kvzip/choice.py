@@ -47,14 +47,21 @@ class ModelWideOptions(EvictionOptions):
         """Whether one choice spans every layer (else each layer chooses)."""
         return not self.layerwise
 
+    split_hint = "use layerwise=True"  # what a pipeline-split model can take
+
+    def load(self, model, dims) -> None:
+        """Loads the files the options name, checked against `model` (kvzap's
+        scorer), once the layers are known to fit the choice."""
+
     def bind(self, model, dims):
         shards = getattr(dims, "shards", None)
         split = shards is not None and shards.num_layers is not None
         if split and self.chooses_over_layers():
             raise OptionError(
                 "one choice over all layers needs every layer in this process; "
-                "on a pipeline-split model use layerwise=True"
+                f"on a pipeline-split model {self.split_hint}"
             )
+        self.load(model, dims)
         return super().bind(model, dims)
 
 
