@@ -38,8 +38,8 @@ BEFORE_LOAD = [
         "option 'sinks' given twice",
     ),
     (
-        "generate --algo snapkv --algo-arg answer_weight=nan",
-        "answer_weight must be a finite number",
+        "generate --algo pyramidkv --algo-arg beta=nan",
+        "beta must be a finite number",
     ),
     ("generate --algo knorm --algo-arg sinks", "expected KEY=VALUE"),
     ("generate --algo nope", "unknown algorithm 'nope'"),

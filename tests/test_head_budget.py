@@ -148,7 +148,7 @@ def test_adaptive_changes_nothing_where_the_heads_agree(algo_a, opts_a, algo_b):
         ("h2o", dict(alpha=0.3), "alpha.*needs head_budget='adaptive'"),
         ("h2o", dict(head_budget="adaptive", alpha=1.5), "alpha"),
         ("knorm", dict(head_budget="per-head"), "head_budget"),
-        ("adakv", dict(head_budget="uniform"), "use snapkv"),
+        ("adakv", dict(head_budget="uniform"), "head_budget"),
     ],
 )
 def test_options_validated(algo, opts, match):

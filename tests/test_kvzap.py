@@ -297,42 +297,26 @@ def predict_linear(w, X):
     return X @ w["w1"] + w["b1"]
 
 
-@pytest.mark.parametrize("decode", ["attention", "surrogate"])
-def test_decode_cuts_by_the_answers_attention_or_by_the_surrogate(decode):
+def test_decode_cuts_by_the_answers_attention():
     from oracle import watch_decode_cuts
 
     model = tiny_model("llama")
     opts = dict(scorer=str(tiny_scorer(model)), budget=12, sinks=2, window=4)
-    with veloxpatch.patched(model, "kvzap", decode=decode, **opts) as patch:
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
         caches = patch.make_cache()
         prefill(model, prompt_tokens(40).tolist(), caches)
         c = caches[1]
-        if decode == "attention":
-            seen = watch_decode_cuts(c, sinks=2, window=4)
-        else:
-            seen, evict = [], c.evict_to
-
-            def by_surrogate(n_keep, scores, counts=None):
-                if not c.in_prompt and c.offset > c.decode_from:  # decode cuts
-                    assert c.decode_queries is None
-                    np.testing.assert_array_equal(scores, c.row_scores())
-                    seen.append(n_keep)
-                evict(n_keep, scores, counts)
-
-            c.evict_to = by_surrogate
+        seen = watch_decode_cuts(c, sinks=2, window=4)
         greedy(model, prompt_tokens(4, seed=3), n=12, prompt_cache=caches)
     assert seen and all(n == c.share for n in seen)  # the layer keeps its share
     assert all(x.rows <= x.share + 4 for x in caches)
 
 
-def test_decode_option_and_the_prompt_cache_policy_it_implies():
+def test_the_prompt_cache_policy_each_mode_implies():
     from veloxpatch.caches.kvzap import KVzapCache, KVzapOptions
 
-    with pytest.raises(OptionError, match="decode"):
-        KVzapOptions(decode="frozen")
     policy = KVzapCache.policy_for
     assert policy(KVzapOptions()) == "prompt"  # the answer's queries cut rows
-    assert policy(KVzapOptions(decode="surrogate")) == "as_is"
     assert policy(KVzapOptions(threshold=0.0)) == "as_is"
 
 

@@ -280,30 +280,6 @@ def test_decode_recompression_keeps_the_best_rows_by_the_newest_queries():
     assert all(x.rows <= 12 + 4 for x in caches)
 
 
-def test_frozen_decode_keeps_the_context_and_short_answers_agree():
-    model = tiny_model("llama")
-    ids = prompt_tokens(40).tolist()
-    got = {}
-    for decode in ("attention", "frozen"):
-        with veloxpatch.patched(
-            model, "kvzip", budget=12, sinks=2, window=4, decode=decode
-        ) as patch:
-            caches = patch.prefill(ids, tokenizer=TOK)
-            context = [np.array(c.positions_view()) for c in caches]
-            short = greedy(
-                model, prompt_tokens(4, seed=3), n=4, prompt_cache=copy_cache(caches)
-            )
-            greedy(model, prompt_tokens(4, seed=3), n=12, prompt_cache=caches)
-            kept = [np.array(c.positions_view()) for c in caches]
-        got[decode] = short
-        held = [set(k.ravel().tolist()) for k in kept]
-        whole = all(set(ctx.ravel().tolist()) <= h for ctx, h in zip(context, held))
-        assert whole == (decode == "frozen")
-    # an answer within the window never triggers a recompression: same tokens
-    assert got["attention"][0] == got["frozen"][0]
-    assert max_abs(got["attention"][1], got["frozen"][1]) == 0
-
-
 def test_recent_context_rows_are_kept_in_every_head():
     model = tiny_model("llama", num_hidden_layers=3)
     ids = prompt_tokens(40).tolist()
@@ -437,16 +413,13 @@ def test_a_long_later_prompt_is_compressed_to_the_budget():
     assert all(c.offset == caches[0].offset >= 80 for c in caches)
 
 
-@pytest.mark.parametrize("tokenizer,reconstruct", [(None, True), (TOK, False)])
-def test_without_reconstruction_the_prompt_window_scores(
-    monkeypatch, tokenizer, reconstruct
-):
+def test_without_a_tokenizer_the_prompt_window_scores(monkeypatch):
     from veloxpatch.caches.kvzip import reconstruct as module
 
     monkeypatch.setattr(module, "reconstruct", None)  # would fail if called
     model = tiny_model("llama")
-    opts = dict(budget=12, sinks=2, window=4, reconstruct=reconstruct)
-    with veloxpatch.patched(model, "kvzip", tokenizer=tokenizer, **opts):
+    opts = dict(budget=12, sinks=2, window=4)
+    with veloxpatch.patched(model, "kvzip", tokenizer=None, **opts):
         caches = model.make_cache()
         greedy(model, prompt_tokens(40), n=3, prompt_cache=caches)
     assert all(c.context_rows is not None for c in caches)

@@ -46,9 +46,9 @@ def stream(cache, prompt, answer, seed=5):
     return np.array(q), np.array(k), rows
 
 
-def weighted_scores(q, k, first, last, weight_from, weight, kernel=7):
-    """SnapKV by hand over queries first..last-1; queries at or after
-    `weight_from` count `weight` times. Max pooling, mean over the GQA group."""
+def window_scores(q, k, first, last, kernel=7):
+    """SnapKV by hand over queries first..last-1 (prompt and answer queries
+    alike). Max pooling, mean over the GQA group."""
     G = HQ // HKV
     n = last
     out = np.zeros((HKV, n))
@@ -59,40 +59,29 @@ def weighted_scores(q, k, first, last, weight_from, weight, kernel=7):
             for i in range(first, last):
                 logits = q[0, h * G + g, i] @ k[0, h, : i + 1].T * D**-0.5
                 p = np.exp(logits - logits.max())
-                total[: i + 1] += (weight if i >= weight_from else 1.0) * p / p.sum()
+                total[: i + 1] += p / p.sum()
             padded = np.pad(total, kernel // 2)
             acc.append(np.stack([padded[j : j + n] for j in range(kernel)]).max(0))
         out[h] = np.mean(acc, axis=0)
     return out
 
 
-@pytest.mark.parametrize("weight", [1.0, 3.0])
-def test_lookahead_scores_prompt_window_and_answer_queries(weight):
+def test_lookahead_scores_prompt_window_and_answer_queries():
     cls = ALGORITHMS["snapkv"]
     w, k_ahead, prompt = 4, 3, 40
-    opts = dict(budget=16, window=w, lookahead=k_ahead, answer_weight=weight)
+    opts = dict(budget=16, window=w, lookahead=k_ahead)
     cache = cls(cls.Options(kernel=1, **opts))  # no pooling: no tied scores
     q, k, rows = stream(cache, prompt, k_ahead + 1)
     # The whole prompt is held through the first k answer tokens, then `budget`.
     assert rows[:2] == [11, 40]
     assert rows[2:] == [41, 42, 16, 17]
     end = prompt + k_ahead
-    ref = weighted_scores(q, k, prompt - w, end, prompt, weight, kernel=1)
+    ref = window_scores(q, k, prompt - w, end, kernel=1)
     kept = np.array(cache.positions_view())[0]
     for h in range(HKV):
         # top (budget - window - lookahead) of the prefix, then the protected tail
         top = sorted(np.argsort(-ref[h, : end - w - k_ahead])[:9].tolist())
         assert kept[h].tolist() == top + list(range(end - w - k_ahead, end)) + [end]
-
-
-def test_answer_weight_changes_what_is_kept():
-    cls = ALGORITHMS["snapkv"]
-    kept = []
-    for weight in (0.0, 50.0):
-        cache = cls(cls.Options(budget=16, window=4, lookahead=4, answer_weight=weight))
-        stream(cache, 40, 4)
-        kept.append(np.array(cache.positions_view()))
-    assert (kept[0] != kept[1]).any()
 
 
 @pytest.mark.parametrize("algo", ["snapkv", "pyramidkv", "adakv"])
@@ -166,7 +155,6 @@ def test_lookahead_through_generate_step():
         (dict(lookahead=2.5), "lookahead"),
         (dict(budget=64, lookahead=17), "budget / 4"),
         (dict(budget=40, window=32, lookahead=8), "budget"),
-        (dict(answer_weight=-1), "answer_weight"),
     ],
 )
 def test_lookahead_options_validated(opts, match):

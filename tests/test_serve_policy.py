@@ -82,7 +82,6 @@ def test_a_question_shorter_than_the_trimmed_one_still_reads_a_full_window(algo)
         ("knorm", {}),
         ("kvzip", {}),
         ("kvzap", dict(scorer=SCORER)),  # its model-wide choice saw the question
-        ("kvzap", dict(scorer=SCORER, decode="surrogate")),
     ],
 )
 def test_a_cache_evicted_past_the_shared_prefix_is_not_reused(algo, opts):

@@ -10,7 +10,7 @@ from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
 from veloxpatch.caches import ALGORITHMS
-from veloxpatch.caches.adakv import head_budgets
+from veloxpatch.caches.eviction import head_budgets
 from veloxpatch.caches.pyramidkv import pyramid_budgets
 from veloxpatch.errors import OptionError
 
@@ -37,9 +37,9 @@ def feed(cache, n, chunks=(17,)):
     return np.array(q), np.array(k)
 
 
-def reference_scores(q, k, w, kernel, pool, scale=D**-0.5):
+def reference_scores(q, k, w, kernel, scale=D**-0.5):
     """SnapKV by hand: window queries' softmax over the keys they can see, summed,
-    pooled over positions with zero padding, averaged over the GQA group."""
+    max-pooled over positions with zero padding, averaged over the GQA group."""
     n = k.shape[2]
     G = HQ // HKV
     out = np.zeros((HKV, n))
@@ -54,20 +54,18 @@ def reference_scores(q, k, w, kernel, pool, scale=D**-0.5):
             r = kernel // 2
             padded = np.pad(total, r)
             windows = np.stack([padded[j : j + n] for j in range(kernel)])
-            per_q_head.append(
-                windows.max(0) if pool == "max" else windows.sum(0) / kernel
-            )
+            per_q_head.append(windows.max(0))
         out[h] = np.mean(per_q_head, axis=0)
     return out
 
 
-@pytest.mark.parametrize("kernel,pool", [(7, "max"), (5, "avg"), (1, "max")])
-def test_snapkv_scores_match_formula(kernel, pool):
+@pytest.mark.parametrize("kernel", [7, 5, 1])
+def test_snapkv_scores_match_formula(kernel):
     cls = ALGORITHMS["snapkv"]
-    cache = cls(cls.Options(budget=1000, window=6, kernel=kernel, pool=pool))
+    cache = cls(cls.Options(budget=1000, window=6, kernel=kernel))
     q, k = feed(cache, 40)  # budget not reached: nothing evicted, all scored
     got = np.array(cache.scores())[0]
-    np.testing.assert_allclose(got, reference_scores(q, k, 6, kernel, pool), atol=1e-5)
+    np.testing.assert_allclose(got, reference_scores(q, k, 6, kernel), atol=1e-5)
 
 
 def test_snapkv_keeps_top_prefix_plus_window():
@@ -75,7 +73,7 @@ def test_snapkv_keeps_top_prefix_plus_window():
     cache = cls(cls.Options(budget=12, window=4))
     q, k = feed(cache, 40)
     cache.close_prompt()
-    ref = reference_scores(q, k, 4, 7, "max")
+    ref = reference_scores(q, k, 4, 7)
     for h in range(HKV):
         top = sorted(np.argsort(-ref[h, :36])[:8].tolist())
         assert np.array(cache.positions_view())[0, h].tolist() == top + [36, 37, 38, 39]
@@ -193,7 +191,6 @@ def test_adakv_heads_differ_and_layer_total_is_budget():
         (dict(budget=32, window=32), "budget"),
         (dict(kernel=4), "odd"),
         (dict(kernel=0), "kernel"),
-        (dict(pool="mean"), "pool"),
         (dict(window=0), "window"),
     ],
 )

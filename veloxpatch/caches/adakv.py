@@ -1,21 +1,18 @@
 """`adakv` (Feng et al., 2024): SnapKV scoring with the budget shared across
 the KV heads of a layer, so focused heads give rows to dispersed ones.
 
-This is `snapkv` with `head_budget="adaptive"` (the allocation lives in
-`eviction.py`, where every scoring algorithm can use it): over the prefix
-(window excluded), take the layer-wide top H x (budget - w) scores of all heads;
-c_h is how many fall in head h; head h keeps round(c_h (1 - alpha) + alpha
-(budget - w)) prefix rows plus the window. Heads are stored padded to the largest
-head, padding masked out and counted in nbytes. On a sharded model the heads of
-every rank compete (`sharding.py`).
+A preset: `snapkv` with `head_budget="adaptive"`. The allocation is the
+`head_budget="adaptive"` wrapper of `eviction.py`, which any scoring algorithm
+takes (as kvpress's AdaKVPress wraps any scorer); its floor `alpha` and its
+rule are documented there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from ..errors import OptionError
 from .eviction import head_budgets
+from .options import check_choice, option
 from .snapkv import SnapKVCache, SnapKVOptions
 
 __all__ = ["AdaKVCache", "AdaKVOptions", "head_budgets"]
@@ -23,18 +20,10 @@ __all__ = ["AdaKVCache", "AdaKVOptions", "head_budgets"]
 
 @dataclasses.dataclass
 class AdaKVOptions(SnapKVOptions):
-    """snapkv's options with `head_budget` "adaptive"; `alpha`: floor, the
-    fraction of the uniform budget every head keeps (default 0.2)."""
+    """snapkv's options with `head_budget` "adaptive" (for uniform budgets use
+    snapkv)."""
 
-    head_budget: str = "adaptive"
-
-    def __post_init__(self):
-        if self.head_budget != "adaptive":
-            raise OptionError(
-                "adakv is snapkv with head_budget='adaptive'; for uniform "
-                f"budgets use snapkv (got head_budget={self.head_budget!r})"
-            )
-        super().__post_init__()
+    head_budget: str = option("adaptive", check_choice, ("adaptive",))
 
 
 class AdaKVCache(SnapKVCache):

@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from .base import PAD_POSITION
 from .eviction import EvictingCache, PromptCompressionOptions
-from .options import check_int
+from .options import check_int, option
 
 MAX_FUTURE = 1 << 16
 ROPE_CHUNK = 256  # positions per rope call in `mean_rotation`
@@ -50,8 +50,8 @@ class ExpectedAttentionOptions(PromptCompressionOptions):
     `compress="chunks"`: every `chunk` prompt tokens, with the statistics of
     the queries seen so far (`PromptCompressionOptions`)."""
 
-    window: int = 16
-    n_future: int = 512
+    window: int = option(16, check_int, 0)
+    n_future: int = option(512, check_int, 1, MAX_FUTURE)
 
     def recent_rows(self):
         return self.window
@@ -61,11 +61,6 @@ class ExpectedAttentionOptions(PromptCompressionOptions):
 
     def side_bytes(self, heads, head_dim, dtype_size):
         return heads * (head_dim + head_dim**2) * 4  # float32 mean, covariance
-
-    def __post_init__(self):
-        check_int("window", self.window, 0)
-        check_int("n_future", self.n_future, 1, MAX_FUTURE)
-        super().__post_init__()
 
 
 def mean_rotation(rope, start: int, n: int, dim: int) -> mx.array:

@@ -13,24 +13,12 @@ import dataclasses
 import mlx.core as mx
 
 from .attention_probs import ProbabilityCache
-from .eviction import EvictionOptions
-from .options import check_int
+from .eviction import RecentOptions
 
 
 @dataclasses.dataclass
-class H2OOptions(EvictionOptions):
-    """`recent`: newest rows always kept; default half of what sinks leave."""
-
-    recent: int | None = None
-
-    def __post_init__(self):
-        if self.recent is None:
-            self.recent = self.half_left_by_sinks()
-        check_int("recent", self.recent, 0)
-        super().__post_init__()
-
-    def recent_rows(self):
-        return self.recent
+class H2OOptions(RecentOptions):
+    """`recent`: newest rows always kept (`RecentOptions`)."""
 
     def row_side_bytes(self, group):
         return 4  # each row's accumulated attention, float32

@@ -14,7 +14,7 @@ import dataclasses
 import mlx.core as mx
 
 from .h2o import H2OCache, H2OOptions
-from .options import check_int, check_number
+from .options import check_int, check_number, option
 
 
 @dataclasses.dataclass
@@ -22,17 +22,10 @@ class KeyformerOptions(H2OOptions):
     """`tau_init`, `tau_end`: temperature schedule (paper: 1 to 2);
     `tau_steps`: decode steps to anneal over; `seed`: Gumbel noise seed."""
 
-    tau_init: float = 1.0
-    tau_end: float = 2.0
-    tau_steps: int = 256
-    seed: int = 0
-
-    def __post_init__(self):
-        check_number("tau_init", self.tau_init, 0, lo_open=True)
-        check_number("tau_end", self.tau_end, 0, lo_open=True)
-        check_int("tau_steps", self.tau_steps, 1)
-        check_int("seed", self.seed, 0, 2**31 - 1)  # mixed into a uint64 key
-        super().__post_init__()
+    tau_init: float = option(1.0, check_number, 0, lo_open=True)
+    tau_end: float = option(2.0, check_number, 0, lo_open=True)
+    tau_steps: int = option(256, check_int, 1)
+    seed: int = option(0, check_int, 0, 2**31 - 1)  # mixed into a uint64 key
 
 
 class KeyformerCache(H2OCache):

@@ -10,29 +10,15 @@ import dataclasses
 
 import mlx.core as mx
 
-from .eviction import EvictingCache, EvictionOptions
-from .options import check_int
+from .eviction import EvictingCache, RecentOptions
 
 
 @dataclasses.dataclass
-class KNormOptions(EvictionOptions):
-    """`recent`: newest rows protected from eviction; default half of what sinks
-    leave, (budget - sinks) // 2, as h2o (scripts/results/knorm_recent.json: with
-    recent 0 perplexity is 17-33x full, at about half the budget 1.09-1.41x)."""
-
-    recent: int | None = None
-
-    def recent_rows(self):
-        return self.recent
+class KNormOptions(RecentOptions):
+    """`recent`: newest rows protected from eviction (`RecentOptions`)."""
 
     def row_side_bytes(self, group):
         return 4  # each row's key norm, float32
-
-    def __post_init__(self):
-        if self.recent is None:
-            self.recent = self.half_left_by_sinks()
-        check_int("recent", self.recent, 0)
-        super().__post_init__()
 
 
 class KNormCache(EvictingCache):

@@ -56,6 +56,21 @@ def check_choice(name: str, value, choices) -> None:
         raise OptionError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise OptionError(f"{name} must be true or false, got {value!r}")
+
+
+def option(default, check, *args, **kwargs):
+    """A dataclass field declared with its check, `check(name, value, *args,
+    **kwargs)`, which `CacheOptions.__post_init__` runs for every field (a
+    field whose default is None also takes None). A shared option (`window`,
+    `chunk`, `floor`...) is checked where it is declared, once."""
+    return dataclasses.field(
+        default=default, metadata={"check": (check, args, kwargs)}
+    )
+
+
 PATH_OPTIONS = ("codebook", "filters", "scorer")  # the options that name a file
 
 
@@ -77,11 +92,18 @@ def check_path(name: str, value) -> None:
 
 @dataclasses.dataclass
 class CacheOptions:
-    """Options shared by every algorithm. Subclasses add fields and validate them
-    in `__post_init__` (call super)."""
+    """Options shared by every algorithm. Subclasses add fields, declared with
+    their checks (`option`); checks that relate several fields go in
+    `__post_init__`, after calling super (which runs the declared ones)."""
 
     def __post_init__(self):
         self.dims = None  # the model's ModelDims, once bound
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if "check" not in f.metadata or (value is None and f.default is None):
+                continue
+            check, args, kwargs = f.metadata["check"]
+            check(f.name, value, *args, **kwargs)
 
     @classmethod
     def create(cls, algo: str, options: dict[str, Any]) -> CacheOptions:

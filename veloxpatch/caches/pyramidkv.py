@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .options import check_number
+from .options import check_number, option
 from .snapkv import SnapKVCache, SnapKVOptions
 
 
@@ -21,11 +21,7 @@ from .snapkv import SnapKVCache, SnapKVOptions
 class PyramidKVOptions(SnapKVOptions):
     """`beta`: how steep the pyramid is (top layer keeps (budget - w) / beta)."""
 
-    beta: float = 20.0
-
-    def __post_init__(self):
-        check_number("beta", self.beta, 1)
-        super().__post_init__()
+    beta: float = option(20.0, check_number, 1)
 
 
 def pyramid_budgets(

@@ -22,7 +22,7 @@ import mlx.core as mx
 from ..calibration_format import group_mean, load_filters
 from ..errors import OptionError
 from .eviction import EvictingCache, EvictionOptions
-from .options import check_int, check_path
+from .options import check_int, check_path, option
 
 
 @dataclasses.dataclass
@@ -30,8 +30,8 @@ class QFiltersOptions(EvictionOptions):
     """`window`: newest rows protected (default 64). `filters`: a calibration
     file; None calibrates on the prompt's own queries."""
 
-    window: int = 64
-    filters: str | None = None
+    window: int = option(64, check_int, 0)
+    filters: str | None = option(None, check_path)
 
     def recent_rows(self):
         return self.window
@@ -42,9 +42,6 @@ class QFiltersOptions(EvictionOptions):
         return heads * (head_dim * head_dim + 2 * head_dim) * 4  # moments, filter
 
     def __post_init__(self):
-        check_int("window", self.window, 0)
-        if self.filters is not None:
-            check_path("filters", self.filters)
         super().__post_init__()
         self.loaded = None  # per layer [Hkv, D], once bound to a model
 

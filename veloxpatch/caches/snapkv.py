@@ -11,8 +11,8 @@ accumulated, so memory stays under budget + window.
 
 With `lookahead=k` the prompt-end compression waits for k answer tokens: the
 observation window is then the last `window` prompt queries plus the k
-answer-time queries (each weighted `answer_weight`), and the k answer rows are
-kept with the window. Until then the cache holds the whole prompt.
+answer-time queries, and the k answer rows are kept with the window. Until then
+the cache holds the whole prompt.
 """
 
 from __future__ import annotations
@@ -24,24 +24,23 @@ import mlx.core as mx
 from ..errors import OptionError
 from .attention_math import newest_queries, query_probs
 from .eviction import EvictingCache, PromptCompressionOptions
-from .options import check_choice, check_int, check_number
+from .options import check_int, option
+
+DEFAULT_KERNEL = 7  # SnapKV's pooling width (the paper's)
 
 
 @dataclasses.dataclass
 class SnapKVOptions(PromptCompressionOptions):
     """`window`: observation window of last queries, always kept. `kernel`: odd
-    pooling width over positions. `pool`: "max" or "avg". `sinks`: default 0.
-    `lookahead`: answer tokens to wait for before the prompt-end compression.
-    `answer_weight`: weight of each answer-time query against a prompt query.
-    `compress="chunks"`: every `chunk` prompt tokens, by the last `window`
-    queries before that point (`PromptCompressionOptions`)."""
+    max-pooling width over positions. `sinks`: default 0. `lookahead`: answer
+    tokens to wait for before the prompt-end compression. `compress="chunks"`:
+    every `chunk` prompt tokens, by the last `window` queries before that point
+    (`PromptCompressionOptions`)."""
 
-    sinks: int = 0
-    window: int = 32
-    kernel: int = 7
-    pool: str = "max"
-    lookahead: int = 0
-    answer_weight: float = 1.0
+    sinks: int = option(0, check_int, 0)
+    window: int = option(32, check_int, 1)
+    kernel: int = option(DEFAULT_KERNEL, check_int, 1)
+    lookahead: int = option(0, check_int, 0)
 
     def side_bytes(self, heads, head_dim, dtype_size):
         return heads * (self.window + self.lookahead) * head_dim * dtype_size
@@ -53,14 +52,9 @@ class SnapKVOptions(PromptCompressionOptions):
         return self.window  # new rows held until the next recompression
 
     def __post_init__(self):
-        check_int("budget", self.budget, 1)
-        check_int("window", self.window, 1)
-        check_int("kernel", self.kernel, 1)
-        check_int("lookahead", self.lookahead, 0)
-        check_number("answer_weight", self.answer_weight, 0)
+        super().__post_init__()
         if self.kernel % 2 == 0:
             raise OptionError(f"kernel must be odd, got {self.kernel}")
-        check_choice("pool", self.pool, ("max", "avg"))
         if self.lookahead and self.compress == "chunks":
             raise OptionError(
                 "lookahead waits for answer tokens holding the whole prompt; "
@@ -73,38 +67,34 @@ class SnapKVOptions(PromptCompressionOptions):
                 f"lookahead ({self.lookahead}) must be at most budget / 4 "
                 f"({self.budget // 4})"
             )
-        super().__post_init__()
 
 
-def pool_positions(scores: mx.array, kernel: int, kind: str) -> mx.array:
-    """1-D pooling along the last axis, 'same' size, zero padding (scores >= 0;
-    avg divides by the kernel, as avg_pool1d with count_include_pad does)."""
+def pool_positions(scores: mx.array, kernel: int) -> mx.array:
+    """1-D max pooling along the last axis, 'same' size, zero padding (scores
+    >= 0)."""
     if kernel == 1:
         return scores
     T = scores.shape[-1]
     r = min(kernel // 2, T)  # a wider window sees nothing more (zero padding)
     pad = [(0, 0)] * (scores.ndim - 1) + [(r, r)]
     padded = mx.pad(scores, pad)
-    shifted = [padded[..., i : i + T] for i in range(2 * r + 1)]
-    if kind == "max":
-        out = shifted[0]
-        for x in shifted[1:]:
-            out = mx.maximum(out, x)
-        return out
-    return sum(shifted[1:], shifted[0]) / kernel
+    out = padded[..., :T]
+    for i in range(1, 2 * r + 1):
+        out = mx.maximum(out, padded[..., i : i + T])
+    return out
 
 
-def window_score(probs: mx.array, kernel: int, pool: str) -> mx.array:
+def window_score(probs: mx.array, kernel: int) -> mx.array:
     """SnapKV's score [B, Hkv, T] from the probabilities [B, Hkv, G, n, T] of n
     window queries: summed over them, pooled over positions, mean over the group."""
-    return pool_positions(probs.sum(axis=3), kernel, pool).mean(axis=2)
+    return pool_positions(probs.sum(axis=3), kernel).mean(axis=2)
 
 
 def newest_queries_score(cache, q: mx.array) -> mx.array:
-    """[B, Hkv, T] SnapKV's score (default kernel and pool) of the rows `cache`
-    holds under its newest queries q: how kvzip and kvzap cut while decoding."""
+    """[B, Hkv, T] SnapKV's score (default kernel) of the rows `cache` holds
+    under its newest queries q: how kvzip and kvzap cut while decoding."""
     probs = newest_query_probs(cache, q)
-    return window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
+    return window_score(probs, DEFAULT_KERNEL)
 
 
 def newest_query_probs(cache, q: mx.array) -> mx.array:
@@ -132,7 +122,6 @@ class SnapKVCache(EvictingCache):
         super().__init__(options, layer, num_layers)
         self.window_queries = None  # last `window` post-RoPE queries [B, Hq, w, D]
         self.compressed_rows = None  # rows kept by the last compression
-        self.prompt_end = None  # position of the first answer token
         self.lookahead_left = 0  # answer tokens still to come before compressing
 
     # ---- hooks ------------------------------------------------------------------
@@ -150,7 +139,6 @@ class SnapKVCache(EvictingCache):
             self.compressed_rows = self.rows
 
     def end_prompt(self):
-        self.prompt_end = self.offset
         if self.options.lookahead:
             self.lookahead_left = self.options.lookahead  # each turn waits again
         elif self.rows > self.row_budget():
@@ -161,8 +149,6 @@ class SnapKVCache(EvictingCache):
         if n and self.window_queries is not None:
             kept = self.window_queries.shape[2] - n
             self.window_queries = self.window_queries[:, :, :kept] if kept > 0 else None
-        if self.prompt_end is not None and self.prompt_end > self.offset:
-            self.prompt_end = None  # the prompt end itself was trimmed
         return n
 
     @property
@@ -195,24 +181,11 @@ class SnapKVCache(EvictingCache):
         """[B, Hkv, G, w, T] attention of the buffered queries over stored rows."""
         return newest_query_probs(self, self.window_queries)
 
-    def query_weights(self, n: int) -> mx.array | None:
-        """Weight of each of the last `n` buffered queries: `answer_weight` for
-        those after the prompt end, 1 for prompt queries (None: all equal)."""
-        aw = self.options.answer_weight
-        if aw == 1.0 or self.prompt_end is None:
-            return None
-        qpos = mx.arange(self.offset - n, self.offset)
-        return mx.where(qpos >= self.prompt_end, aw, 1.0).astype(mx.float32)
-
     def scores(self, q=None) -> mx.array:
         """SnapKV score per stored row [B, Hkv, T]: summed window attention
-        (answer-time queries weighted), pooled over positions, averaged over the
-        GQA group."""
-        probs = self.window_probs()  # [B, Hkv, G, n, T]
-        weights = self.query_weights(probs.shape[3])
-        if weights is not None:
-            probs = probs * weights[:, None]
-        return window_score(probs, self.options.kernel, self.options.pool)
+        (answer-time queries included), pooled over positions, averaged over
+        the GQA group."""
+        return window_score(self.window_probs(), self.options.kernel)
 
     def compress(self) -> None:
         n_keep = self.row_budget()
@@ -232,11 +205,9 @@ class SnapKVCache(EvictingCache):
     def extra_meta(self):
         return {
             "compressed_rows": self.compressed_rows,
-            "prompt_end": self.prompt_end,
             "lookahead_left": self.lookahead_left,
         }
 
     def load_extra_meta(self, m):
         self.compressed_rows = m.get("compressed_rows")
-        self.prompt_end = m.get("prompt_end")
         self.lookahead_left = int(m.get("lookahead_left", 0))

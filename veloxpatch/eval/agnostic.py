@@ -24,16 +24,7 @@ from .sessions import Prefills, arm_caches
 # options that choose rows from what `finish_context` found (kvzip's
 # reconstruction scores), or decode after it: arms differing only in these
 # share one pass
-CHOICE = (
-    "budget",
-    "max_kv_bytes",
-    "floor",
-    "recent",
-    "tail",
-    "layerwise",
-    "window",
-    "decode",
-)
+CHOICE = ("budget", "max_kv_bytes", "floor", "recent", "tail", "layerwise", "window")
 
 
 def run_agnostic_case(

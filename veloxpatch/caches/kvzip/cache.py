@@ -37,14 +37,13 @@ as many rows as its largest head needs (its next best fill what would be
 padding), and the threshold is the lowest whose layers hold at most budget x
 layers x KV heads rows: `budget` counts rows held, like every algorithm's.
 Only the first prompt is compressed: a later prompt (a question asked on the
-compressed context) is kept whole. `decode="attention"` (default): once
-`window` tokens have been generated, every row but the sinks and those newest
-tokens competes by SnapKV's score under the last `window` queries, and each
-layer is cut back to `budget` rows (the global choice gave layers unequal shares,
-which a long generation needs evenly), then again every `window` tokens, as
-SnapKV decodes. `decode="frozen"`: the compressed context is never touched and
-generated tokens slide through the newest `window` rows (a long answer then sees
-only its last `window` tokens).
+compressed context) is kept whole. While decoding, once `window` tokens have
+been generated, every row but the sinks and those newest tokens competes by
+SnapKV's score under the last `window` queries, and each layer is cut back to
+`budget` rows (the global choice gave layers unequal shares, which a long
+generation needs evenly), then again every `window` tokens, as SnapKV decodes
+(keeping the compressed context untouched instead lost: continuation KL 0.191
+against 0.070, docs/results.md).
 """
 
 from __future__ import annotations
@@ -56,66 +55,43 @@ import mlx.core as mx
 from ...errors import OptionError
 from ..attention_math import newest_queries, query_probs, query_tiles
 from ..base import PAD_POSITION
-from ..eviction import EvictingCache, EvictionOptions
-from ..options import check_choice, check_int, check_number
+from ..eviction import EvictingCache
+from ..options import check_bool, check_int, option
 from ..snapkv import (
-    SnapKVOptions,
+    DEFAULT_KERNEL,
     newest_queries_score,
     newest_query_probs,
     window_score,
 )
 from ..storage import padded_to
-from .choice import compress_together
+from .choice import ModelWideOptions, compress_together
 from .plus import output_gram, plus_scores
 from .reconstruct import OVERLAP, model_forward, reconstruct
 
 
 @dataclasses.dataclass
-class KVzipOptions(EvictionOptions):
-    """`budget`: mean rows per layer and KV head (sinks included). `floor`:
-    fraction of the budget every head keeps at least. `window`: newest rows kept
-    on top of the compressed context while decoding. `chunk`: tokens of context
-    per reconstruction chunk. `layerwise`: one threshold per layer instead of
-    one for the model. `plus`: KVzip+ (Jegou et al. 2026, KVzap), each
-    probability times ||W_o v|| of its query head over ||x|| of the repeat
-    query's attention input: what the pair adds to the residual stream.
-    `decode`: "attention" or "frozen", what generated tokens do (see above).
-    `recent`: the context's newest rows every head keeps, like the sinks.
-    `tail`: the context's last `tail` queries also score (the maximum of their
-    probability and KVzip's): what a continuation of the context reads.
-    `reconstruct`: run the reconstruction pass inside mlx-lm's generate
-    functions when the ids are known (False: the prompt's window scores there,
-    at no extra cost; `patch.prefill` always reconstructs)."""
+class KVzipOptions(ModelWideOptions):
+    """`budget`: mean rows per layer and KV head (sinks included). `floor`,
+    `window`, `tail`, `layerwise`: `ModelWideOptions`. `chunk`: tokens of
+    context per reconstruction chunk. `plus`: KVzip+ (Jegou et al. 2026,
+    KVzap), each probability times ||W_o v|| of its query head over ||x|| of
+    the repeat query's attention input: what the pair adds to the residual
+    stream. `recent`: the context's newest rows every head keeps, like the
+    sinks."""
 
-    floor: float = 0.5
-    recent: int = 0
-    tail: int = 32
-    window: int = 32
-    chunk: int = 2048
-    layerwise: bool = False
-    plus: bool = False
-    decode: str = "attention"
-    reconstruct: bool = True
-
-    def decode_extra_rows(self):
-        return self.window  # generated rows held on top of the compressed ones
+    recent: int = option(0, check_int, 0)
+    chunk: int = option(2048, check_int, OVERLAP + 1)
+    plus: bool = option(False, check_bool)
 
     def recent_rows(self):
         return self.recent
-
-    def row_side_bytes(self, group):
-        return 4  # each kept row's float32 score (a later prompt is chosen again)
-
-    def side_bytes(self, heads, head_dim, dtype_size):
-        # the decode window's queries (the tail's are gone once the prompt ends)
-        return heads * self.window * head_dim * dtype_size
 
     def check_context(self, dims, dtype_size, n_tokens, new=None):
         # the reconstruction pass scores the context held at full precision,
         # plus one repeated chunk of what it reconstructs: inherent to the method
         limit = getattr(self, "bytes_limit", None)
-        if limit is None or not self.reconstruct:
-            return  # without the pass the prompt is held as snapkv holds it
+        if limit is None:
+            return
         rows = n_tokens + min(self.chunk, n_tokens if new is None else new)
         layers = zip(dims.kv_heads, dims.head_dims, dims.sliding)
         need = sum(h * rows * (2 * d * dtype_size + 4) for h, d, s in layers if not s)
@@ -126,34 +102,6 @@ class KVzipOptions(EvictionOptions):
                 f"{need:,} bytes, over max_kv_bytes ({limit:,}); use a shorter "
                 "context, a larger max_kv_bytes, or snapkv with compress=chunks"
             )
-
-    def __post_init__(self):
-        check_number("floor", self.floor, 0, 1)
-        check_int("window", self.window, 0)
-        check_int("recent", self.recent, 0)
-        check_int("tail", self.tail, 0)
-        check_choice("decode", self.decode, ("attention", "frozen"))
-        check_int("chunk", self.chunk, OVERLAP + 1)
-        if self.head_budget != "uniform":
-            raise ValueError(
-                "kvzip allocates rows over the whole model itself; "
-                "head_budget is not one of its options"
-            )
-        for name in ("layerwise", "plus", "reconstruct"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"{name} must be true or false, got {getattr(self, name)!r}"
-                )
-        super().__post_init__()
-
-    def bind(self, model, dims):
-        shards = getattr(dims, "shards", None)
-        if shards is not None and shards.num_layers is not None and not self.layerwise:
-            raise OptionError(
-                "kvzip's one threshold over all layers needs every layer in this "
-                "process; on a pipeline-split model use layerwise=True"
-            )
-        return super().bind(model, dims)
 
 
 class KVzipCache(EvictingCache):
@@ -230,7 +178,7 @@ class KVzipCache(EvictingCache):
             return
         probs = newest_query_probs(self, q)
         if self.score_prompt:
-            self.zscore = window_score(probs, SnapKVOptions.kernel, SnapKVOptions.pool)
+            self.zscore = window_score(probs, DEFAULT_KERNEL)
             return
         if self.zscore is None or not self.options.tail:
             return
@@ -355,12 +303,12 @@ class KVzipCache(EvictingCache):
         """Whether the prompt now ending is compressed and would evict anything
         (else its reconstruction would be wasted): a first prompt over the
         budget, a later one that takes the layers past budget + window rows
-        on average (`decode="frozen"` never touches a compressed context)."""
+        on average."""
         o, members = self.options, self.phase_members() or [self]
         if self.context_rows is None:
             return any(c.rows > o.budget for c in members)
         rows = sum(c.rows for c in members)
-        return not self.frozen and rows > (o.budget + o.window) * len(members)
+        return rows > (o.budget + o.window) * len(members)
 
     def segment_start(self) -> int:
         """The first position no compression has chosen among yet."""
@@ -395,27 +343,15 @@ class KVzipCache(EvictingCache):
         return super().held_arrays() + [a for a in held if a is not None]
 
     # ---- decode: the compressed size plus `window` generated rows ------------------
-    @property
-    def frozen(self) -> bool:
-        return self.options.decode == "frozen"
-
     def after_attend(self, q, new_rows):
         if self.context_rows is None or self.in_prompt:
             return
+        # the newest queries (at least this call's) score rows
         w = self.options.window
-        if not self.frozen:  # the newest queries (at least this call's) score rows
-            self.decode_queries = newest_queries(self.decode_queries, q, max(w, 1))
-        if not self.frozen:
-            budget = self.options.budget
-            if self.cut_after_window(self._decode_limit(), budget, self.decode_scores):
-                self.decode_rows = budget
-            return
-        if self.rows <= self._decode_limit() + w:
-            return
-        pos = self.positions_view()
-        counts = (pos < self.context_end).sum(-1) + w
-        scores = pos.astype(mx.float32)  # context and window are protected
-        self.evict_to(int(counts.max().item()), scores, counts)
+        self.decode_queries = newest_queries(self.decode_queries, q, max(w, 1))
+        budget = self.options.budget
+        if self.cut_after_window(self._decode_limit(), budget, self.decode_scores):
+            self.decode_rows = budget
 
     def _decode_limit(self) -> int:
         return self.context_rows if self.decode_rows is None else self.decode_rows
@@ -439,11 +375,9 @@ class KVzipCache(EvictingCache):
     def protected_mask(self, pos):
         if self.context_rows is None:
             return super().protected_mask(pos)
-        # after compression: the sinks (or the whole kept context, frozen) and
-        # the newest window rows stay
+        # after compression: the sinks and the newest window rows stay
         recent = (pos >= self.offset - self.options.window) & (pos != PAD_POSITION)
-        kept = (pos < self.context_end) if self.frozen else (pos < self.options.sinks)
-        return kept | recent
+        return (pos < self.options.sinks) | recent
 
     def side_arrays(self):
         held = (self.decode_queries, self.tail_queries)

@@ -5,10 +5,64 @@ the budget counting rows held (heads are stored padded to their layer's largest)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import mlx.core as mx
 import numpy as np
+
+from ...errors import OptionError
+from ..eviction import EvictionOptions
+from ..options import check_bool, check_int, check_number, option
+
+
+@dataclasses.dataclass
+class ModelWideOptions(EvictionOptions):
+    """Options of the algorithms that choose rows over the whole model at once
+    (kvzip, kvzap's budget mode). `floor`: fraction of the budget every head
+    keeps at least. `tail`: the prompt's newest queries that also rank rows at
+    the choice (the maximum of their probability and the score): what a
+    continuation reads. `window`: newest rows kept while decoding, cut back
+    every `window` tokens by SnapKV's score under the last `window` queries.
+    `layerwise`: one choice per layer instead (a pipeline-split model's only
+    way). Measured defaults: docs/results.md."""
+
+    floor: float = option(0.5, check_number, 0, 1)
+    tail: int = option(32, check_int, 0)
+    window: int = option(32, check_int, 0)
+    layerwise: bool = option(False, check_bool)
+    own_head_budgets = True  # the choice shares rows among heads itself
+
+    def decode_extra_rows(self):
+        return self.window  # generated rows held until the next cut
+
+    def row_side_bytes(self, group):
+        return 4  # each kept row's float32 score (a later choice reads it)
+
+    def side_bytes(self, heads, head_dim, dtype_size):
+        # the decode window's queries (the tail's are gone once the prompt ends)
+        return heads * self.window * head_dim * dtype_size
+
+    def chooses_over_layers(self) -> bool:
+        """Whether one choice spans every layer (else each layer chooses)."""
+        return not self.layerwise
+
+    split_hint = "use layerwise=True"  # what a pipeline-split model can take
+
+    def load(self, model, dims) -> None:
+        """Loads the files the options name, checked against `model` (kvzap's
+        scorer), once the layers are known to fit the choice."""
+
+    def bind(self, model, dims):
+        shards = getattr(dims, "shards", None)
+        split = shards is not None and shards.num_layers is not None
+        if split and self.chooses_over_layers():
+            raise OptionError(
+                "one choice over all layers needs every layer in this process; "
+                f"on a pipeline-split model {self.split_hint}"
+            )
+        self.load(model, dims)
+        return super().bind(model, dims)
 
 
 def compress_together(caches: list) -> None:

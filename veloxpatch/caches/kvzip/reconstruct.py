@@ -93,9 +93,7 @@ def _score_segment(patch, model, caches, zipped) -> None:
     """Reconstruct the prompt's positions not yet compressed, if they are all
     held, their ids known, and compressing would evict anything."""
     first = zipped[0]
-    if patch.tokenizer is None or not first.options.reconstruct:
-        return
-    if not first.needs_scores():
+    if patch.tokenizer is None or not first.needs_scores():
         return
     start = max(first.segment_start(), first.offset - min(c.run() for c in zipped))
     ids = first.phase.token_ids(start, first.offset)
