@@ -4,12 +4,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from tiny import prompt_tokens, tiny_model
+from tiny import dims_of, prompt_tokens, tiny_model
 
 import veloxpatch
 from veloxpatch.caches.a2ats import rope_at, rope_to, windowed_logits
-from veloxpatch.calibration_files import load_codebook, save_codebook
-from veloxpatch.codebook import calibrate_codebook, second_moment
+from veloxpatch.calibration.a2ats import (
+    calibrate_codebook,
+    save_codebook,
+    second_moment,
+)
+from veloxpatch.calibration.format import load_codebook
 from veloxpatch.errors import CalibrationError, OptionError, UnsupportedModelError
 
 
@@ -145,7 +149,7 @@ def test_codebook_is_the_query_aware_k_means_of_the_paper(book_file):
     )  # c = c' L^-1
     # Each key's code is its nearest transformed centroid.
     model = tiny_model("llama")
-    loaded = load_codebook(path, model, 2048)
+    loaded = load_codebook(path, 2048, dims_of(model))
     from veloxpatch.caches.a2ats import assign
 
     codes = np.array(assign(mx.array(keys[None]), loaded[0]))[0]
@@ -157,7 +161,7 @@ def test_codebook_is_the_query_aware_k_means_of_the_paper(book_file):
 def test_codebook_file_is_checked(book_file, tmp_path):
     path = book_file[0]
     with pytest.raises(CalibrationError, match="far_position"):
-        load_codebook(path, tiny_model("llama"), 1024)
+        load_codebook(path, 1024, dims_of(tiny_model("llama")))
     with pytest.raises(CalibrationError, match="another model"):
         load_codebook(path, tiny_model("llama", seed=1), 2048)
     with pytest.raises(CalibrationError):
@@ -165,7 +169,7 @@ def test_codebook_file_is_checked(book_file, tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a file")
     with pytest.raises(CalibrationError):
-        load_codebook(bad, tiny_model("llama"), 2048)
+        load_codebook(bad, 2048, dims_of(tiny_model("llama")))
 
 
 @pytest.mark.parametrize("with_book", [False, True])
@@ -259,5 +263,5 @@ def test_codebook_on_a_model_with_sliding_window_layers(tmp_path):
     books, captured = calibrate_codebook(model, ids, size=8, far_position=64)
     assert [b is None for b in books] == [True, False, True]
     save_codebook(tmp_path / "swa.safetensors", books, model, 64)
-    loaded = load_codebook(tmp_path / "swa.safetensors", model, 64)
+    loaded = load_codebook(tmp_path / "swa.safetensors", 64, dims_of(model))
     assert loaded[0] is None and loaded[1]["centroids"].shape[:2] == (2, 8)
