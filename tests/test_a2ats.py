@@ -163,7 +163,7 @@ def test_codebook_file_is_checked(book_file, tmp_path):
     with pytest.raises(CalibrationError, match="far_position"):
         load_codebook(path, 1024, dims_of(tiny_model("llama")))
     with pytest.raises(CalibrationError, match="another model"):
-        load_codebook(path, tiny_model("llama", seed=1), 2048)
+        load_codebook(path, 2048, dims_of(tiny_model("llama", seed=1)))
     with pytest.raises(CalibrationError):
         veloxpatch.apply(tiny_model("qwen3"), "a2ats", codebook=str(path))
     bad = tmp_path / "bad.safetensors"

@@ -144,9 +144,19 @@ def serve(
 
     from ..api import make_options
     from ..caches.kv_budget import parse_size
+    from ..errors import OptionError
 
     options = algo_options(budget, algo_args, max_kv_bytes)
-    cache_cls, _ = make_options(algo, options)  # fail before the slow load
+    try:
+        cache_cls, _ = make_options(algo, options)  # fail before the slow load
+    except OptionError as e:
+        if max_kv_bytes is None:
+            raise
+        # the flag named the server's cap here before it got its own name
+        raise UserError(
+            f"{e} (--max-kv-bytes is the per-sequence budget, as in generate; "
+            "the server's cap is --kv-cap)"
+        ) from None
     if compress_system_prompt and not cache_cls.wants_token_ids:
         raise UserError(
             f"--compress-system-prompt: {algo} has no question-agnostic pass to "
