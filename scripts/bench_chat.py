@@ -238,7 +238,7 @@ def server_command(arm: str, budget: int, port: int, scorer=SCORER) -> list[str]
     if algo not in (*ALGOS, KVZAP, *UNBUDGETED):
         known = ", ".join((*ALGOS, KVZAP, *UNBUDGETED, UNPATCHED))
         raise SystemExit(f"unknown arm {arm!r}: {known}[:key=value,...]")
-    cmd = [sys.executable, "-m", "veloxpatch.serve", "--algo", algo]
+    cmd = [sys.executable, "-m", "veloxpatch.cli", "serve", "--algo", algo]
     if algo not in UNBUDGETED:
         cmd += ["--budget", str(budget)]
     options = [o for o in rest.split(",") if o]
@@ -474,7 +474,7 @@ def runs_of(runs: dict, i: int) -> dict:
 def check_text(text: str) -> None:
     if "calibration" in text:
         raise SystemExit(f"--text {text}: never a calibration split")
-    from veloxpatch.eval.text import check_source
+    from veloxpatch.prose import check_source
 
     check_source(text)
 

@@ -21,7 +21,7 @@ import mlx.core as mx  # noqa: E402
 
 import veloxpatch  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-from veloxpatch.eval.text import prose_tokens  # noqa: E402
+from veloxpatch.prose import prose_tokens  # noqa: E402
 
 ARMS = {
     "full": {},

@@ -36,7 +36,7 @@ from veloxpatch.api import make_options  # noqa: E402
 from veloxpatch.eval.arms import expand, split_arms  # noqa: E402
 from veloxpatch.eval.replay import capture_prefill  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-from veloxpatch.eval.text import prose_tokens  # noqa: E402
+from veloxpatch.prose import prose_tokens  # noqa: E402
 
 ALGOS = "full,streaming_llm,knorm,snapkv,pyramidkv,adakv,h2o,tova,keyformer"
 

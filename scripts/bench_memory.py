@@ -136,7 +136,7 @@ def child(arm_text: str, context: int, decode: int, step: int) -> dict:
     import veloxpatch
     from veloxpatch.eval.arms import parse_arm
     from veloxpatch.eval.bench import measure, status_mb
-    from veloxpatch.eval.text import prose_tokens
+    from veloxpatch.prose import prose_tokens
 
     arm = parse_arm(arm_text)
     model, tokenizer = veloxpatch.load()

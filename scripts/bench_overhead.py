@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import veloxpatch  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-from veloxpatch.eval.text import prose_tokens  # noqa: E402
+from veloxpatch.prose import prose_tokens  # noqa: E402
 
 
 def timed_generation(model, prompt, max_tokens, prefill_step_size):

@@ -55,10 +55,10 @@ def serve_unpatched(port: int) -> None:
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
     from mlx_lm.server import ModelProvider, ResponseGenerator
 
-    from veloxpatch.cli_serve import mlx_server_parser
+    from veloxpatch.cli.serve import mlx_server_parser
+    from veloxpatch.loading.models import load
     from veloxpatch.memory import full_kv_bytes, kv_bytes
     from veloxpatch.mlx_lm_internals import run_http_server
-    from veloxpatch.models import load
 
     class Provider(ModelProvider):
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
@@ -98,7 +98,7 @@ def start(arm: str, port: int, log_path: Path) -> subprocess.Popen:
     if ARMS[arm] is None:
         cmd = [sys.executable, __file__, "--serve-unpatched", str(port)]
     else:
-        cmd = [sys.executable, "-m", "veloxpatch.serve", *ARMS[arm]]
+        cmd = [sys.executable, "-m", "veloxpatch.cli", "serve", *ARMS[arm]]
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
     log = open(log_path, "w")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -248,7 +248,7 @@ def main():
 
     import veloxpatch
     from veloxpatch.eval.runinfo import run_info, write_results
-    from veloxpatch.eval.text import prose_tokens
+    from veloxpatch.prose import prose_tokens
 
     info = run_info()
     levels = [int(x) for x in args.concurrency.split(",")]

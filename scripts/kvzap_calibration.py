@@ -45,7 +45,7 @@ def score_percentiles(path: Path, tokens: int = 2048) -> dict:
     import numpy as np
 
     import veloxpatch
-    from veloxpatch.eval.text import prose_tokens
+    from veloxpatch.prose import prose_tokens
 
     model, tokenizer = veloxpatch.load()
     ids = prose_tokens(tokenizer, tokens, "calibration")

@@ -37,7 +37,7 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 import veloxpatch
-from veloxpatch.models import chat_prompt
+from veloxpatch.loading.models import chat_prompt
 model, tok = veloxpatch.load()
 prompt = chat_prompt(tok, open(sys.argv[1]).read())
 cache = make_prompt_cache(model)
@@ -121,7 +121,7 @@ def main():
     blas.preload()
     import veloxpatch
     from veloxpatch.eval.runinfo import run_info
-    from veloxpatch.eval.text import prose_tokens
+    from veloxpatch.prose import prose_tokens
 
     _, tok = veloxpatch.load()
     text = tok.decode(prose_tokens(tok, args.tokens - 40)) + QUESTION

@@ -116,7 +116,8 @@ def running_server(*args: str, limit_s: int = 150):
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = ["timeout", "-s", "KILL", str(limit_s), sys.executable, "-m"]
-    cmd += ["veloxpatch.serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["veloxpatch.cli", "serve", *args]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )

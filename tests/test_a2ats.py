@@ -4,12 +4,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from tiny import prompt_tokens, tiny_model
+from tiny import dims_of, prompt_tokens, tiny_model
 
 import veloxpatch
 from veloxpatch.caches.a2ats import rope_at
-from veloxpatch.calibration_files import load_codebook, save_codebook
-from veloxpatch.codebook import calibrate_codebook, second_moment
+from veloxpatch.calibration.a2ats import (
+    calibrate_codebook,
+    save_codebook,
+    second_moment,
+)
+from veloxpatch.calibration.format import load_codebook
 from veloxpatch.errors import CalibrationError, OptionError, UnsupportedModelError
 
 
@@ -99,7 +103,7 @@ def test_codebook_is_the_query_aware_k_means_of_the_paper(book_file):
     )  # c = c' L^-1
     # Each key's code is its nearest transformed centroid.
     model = tiny_model("llama")
-    loaded = load_codebook(path, model, 2048)
+    loaded = load_codebook(path, 2048, dims_of(model))
     from veloxpatch.caches.a2ats import assign
 
     codes = np.array(assign(mx.array(keys[None]), loaded[0]))[0]
@@ -111,15 +115,15 @@ def test_codebook_is_the_query_aware_k_means_of_the_paper(book_file):
 def test_codebook_file_is_checked(book_file, tmp_path):
     path = book_file[0]
     with pytest.raises(CalibrationError, match="far_position"):
-        load_codebook(path, tiny_model("llama"), 1024)
+        load_codebook(path, 1024, dims_of(tiny_model("llama")))
     with pytest.raises(CalibrationError, match="another model"):
-        load_codebook(path, tiny_model("llama", seed=1), 2048)
+        load_codebook(path, 2048, dims_of(tiny_model("llama", seed=1)))
     with pytest.raises(CalibrationError):
         veloxpatch.apply(tiny_model("qwen3"), "a2ats", codebook=str(path))
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a file")
     with pytest.raises(CalibrationError):
-        load_codebook(bad, tiny_model("llama"), 2048)
+        load_codebook(bad, 2048, dims_of(tiny_model("llama")))
 
 
 @pytest.mark.parametrize("with_book", [False, True])
@@ -213,5 +217,5 @@ def test_codebook_on_a_model_with_sliding_window_layers(tmp_path):
     books, captured = calibrate_codebook(model, ids, size=8, far_position=64)
     assert [b is None for b in books] == [True, False, True]
     save_codebook(tmp_path / "swa.safetensors", books, model, 64)
-    loaded = load_codebook(tmp_path / "swa.safetensors", model, 64)
+    loaded = load_codebook(tmp_path / "swa.safetensors", 64, dims_of(model))
     assert loaded[0] is None and loaded[1]["centroids"].shape[:2] == (2, 8)

@@ -127,7 +127,7 @@ def test_summary_of_an_arm():
 
 def test_server_commands_stay_on_loopback():
     cmd = bc.server_command("snapkv", 256, 9)
-    assert cmd[1:3] == ["-m", "veloxpatch.serve"]
+    assert cmd[1:4] == ["-m", "veloxpatch.cli", "serve"]
     assert cmd[cmd.index("--budget") + 1] == "256"
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert "--budget" not in bc.server_command("full", 256, 9)

@@ -83,8 +83,8 @@ class _Tokenizer:
 def test_bench_prints_prefill_and_decode_peaks_with_the_chunk(
     model, tmp_path, monkeypatch
 ):
-    from veloxpatch import models
     from veloxpatch.cli import main
+    from veloxpatch.loading import models
 
     monkeypatch.setattr(models, "load", lambda *a, **k: (model, _Tokenizer()))
     out = tmp_path / "b.json"

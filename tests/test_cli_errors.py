@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from veloxpatch import models
 from veloxpatch.cli import main
+from veloxpatch.loading import models
 
 ROOT = Path(__file__).resolve().parents[1]
 AR = "--arms snapkv --out r.json"  # a valid arm and results file, for eval and bench
@@ -176,7 +176,13 @@ BEFORE_LOAD = [
     ("serve --algo nope", "unknown algorithm 'nope'"),
     ("serve --algo snapkv --budget 8 --algo-arg budget=4", "budget given twice"),
     ("serve --algo snapkv --budget 0", "budget must be >= 1, got 0"),
-    ("serve --max-kv-bytes 3XB", "max_kv_bytes must be a size"),
+    ("serve --kv-cap 3XB", "--kv-cap must be a size"),
+    ("serve --max-kv-bytes 2GB", "the server's cap is --kv-cap"),
+    ("serve --algo snapkv --max-kv-bytes 3XB", "max_kv_bytes must be a size"),
+    (
+        "serve --algo snapkv --max-kv-bytes 1MB --algo-arg max_kv_bytes=2MB",
+        "max_kv_bytes given twice",
+    ),
     ("serve --kv-bits 4", "--kv-bits: mlx-lm's --kv-bits swaps in"),
     ("serve --draft-model m", "speculative decoding is not supported"),
     ("serve --kv-bit 4", "unrecognized arguments: --kv-bit 4"),  # no abbreviations
@@ -311,7 +317,7 @@ def test_an_unwritable_output_folder_is_refused(workdir, monkeypatch):
 
 
 def test_an_error_raised_during_work_is_one_line(workdir, monkeypatch):
-    from veloxpatch.gguf import ModelLoadError
+    from veloxpatch.loading.gguf import ModelLoadError
 
     def load(*a, **k):
         raise ModelLoadError("first line\nsecond line")

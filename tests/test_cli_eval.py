@@ -141,7 +141,7 @@ def test_bench_measures_against_unpatched(tmp_path):
 
 
 def test_eval_checks_task_options_before_loading(tmp_path, monkeypatch):
-    from veloxpatch import models
+    from veloxpatch.loading import models
 
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded"))
     out = tmp_path / "r.json"
@@ -180,8 +180,8 @@ class ToyTask(EvalTask):
 
 
 def test_a_new_task_is_one_class_and_one_registry_line(tmp_path, monkeypatch):
-    from veloxpatch import models
     from veloxpatch.eval.tasks import TASKS
+    from veloxpatch.loading import models
 
     monkeypatch.setitem(TASKS, "toy", ToyTask)  # the one line
     monkeypatch.setattr(models, "load", lambda *a, **k: (tiny_model("llama"), None))

@@ -9,20 +9,19 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny import prompt_tokens, tiny_model
+from tiny import dims_of, prompt_tokens, tiny_model
 
 import veloxpatch
-from veloxpatch.calibration import capture_queries, query_filters
-from veloxpatch.calibration_files import (
-    load_codebook,
-    load_filters,
-    save_codebook,
+from veloxpatch.calibration.a2ats import calibrate_codebook, save_codebook
+from veloxpatch.calibration.format import load_codebook, load_filters
+from veloxpatch.calibration.qfilters import (
+    capture_queries,
+    query_filters,
     save_filters,
 )
 from veloxpatch.checked_io import CHECKSUM_KEY, save_checked
-from veloxpatch.codebook import calibrate_codebook
 from veloxpatch.errors import CacheFileError, CalibrationError, FileFormatError
-from veloxpatch.safetensors_header import check_safetensors
+from veloxpatch.loading.safetensors_header import check_safetensors
 
 KINDS = ["filters", "book", "cache"]
 ERROR = {"filters": CalibrationError, "book": CalibrationError, "cache": CacheFileError}
@@ -51,9 +50,9 @@ def files(tmp_path_factory, model):
 
 def load(kind, path, model):
     if kind == "filters":
-        return load_filters(path, model)
+        return load_filters(path, dims_of(model))
     if kind == "book":
-        return load_codebook(path, model, 2048)
+        return load_codebook(path, 2048, dims_of(model))
     return veloxpatch.load_cache(path)
 
 

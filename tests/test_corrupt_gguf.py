@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import smollm
 
-from veloxpatch.fileformat import check_gguf
+from veloxpatch.loading.fileformat import check_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 STRING, ARRAY, UINT32, FLOAT32, FLOAT64 = 8, 9, 4, 6, 12
@@ -148,7 +148,7 @@ SWEEP = {
 RUNNER = """
 import json, sys
 from veloxpatch.errors import VeloxpatchError
-from veloxpatch.gguf import read_gguf
+from veloxpatch.loading.gguf import read_gguf
 paths = json.load(open(sys.argv[1]))
 for i in range(int(sys.argv[2]), len(paths)):
     print(json.dumps({"i": i, "started": True}), flush=True)
@@ -247,7 +247,7 @@ def _cli(path):
 
 @smollm
 def test_the_embedded_models_header_damaged(tmp_path):
-    from veloxpatch.models import embedded_model_path
+    from veloxpatch.loading.models import embedded_model_path
 
     real = embedded_model_path()
     info = check_gguf(real)
@@ -294,7 +294,7 @@ def test_the_embedded_models_header_damaged(tmp_path):
 
 
 def test_a_model_directory_with_a_damaged_shard(tmp_path):
-    from veloxpatch.models import ModelFileError, load
+    from veloxpatch.loading.models import ModelFileError, load
 
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "model.safetensors").write_bytes(b"\x10" + bytes(7) + b"{}")
@@ -303,7 +303,7 @@ def test_a_model_directory_with_a_damaged_shard(tmp_path):
 
 
 def test_missing_or_unreadable_paths(tmp_path):
-    from veloxpatch.gguf import ModelFileError, read_gguf
+    from veloxpatch.loading.gguf import ModelFileError, read_gguf
 
     with pytest.raises(ModelFileError, match="not found"):
         read_gguf(tmp_path / "missing.gguf")

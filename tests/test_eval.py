@@ -5,12 +5,12 @@ from conftest import smollm
 from test_kvzip import TOK
 from tiny import prompt_tokens, tiny_model
 
+from veloxpatch import prose as text
 from veloxpatch.errors import OptionError
-from veloxpatch.eval import text
 from veloxpatch.eval.arms import Arm, expand, parse_arm, split_arms
 from veloxpatch.eval.metrics import evaluate_continuation
 from veloxpatch.eval.passkey import make_case, make_cases, sign_test, wilson
-from veloxpatch.eval.text import LICENSE_SPLITS, LICENSES, prose
+from veloxpatch.prose import LICENSE_SPLITS, LICENSES, prose
 
 
 def test_prose_halves_do_not_overlap():

@@ -9,22 +9,28 @@ import numpy as np
 import pytest
 from helpers import greedy
 from oracle import numpy_tail_probs
-from tiny import VOCAB, prompt_tokens, tiny_model, tiny_scorer
+from tiny import VOCAB, dims_of, prompt_tokens, tiny_model, tiny_scorer
 
 import veloxpatch
-from veloxpatch.caches.kvzap import surrogate_scores
-from veloxpatch.calibration_files import load_scorer, save_scorer
-from veloxpatch.checked_io import save_checked
-from veloxpatch.errors import CalibrationError, OptionError
-from veloxpatch.kvzap_scorer import (
+from veloxpatch.caches.kvzap import hidden_size, surrogate_scores
+from veloxpatch.calibration import format
+from veloxpatch.calibration.kvzap import (
     calibrate_scorer,
     fit_mlp,
     fit_quality,
     fit_ridge,
     held_out,
+    save_scorer,
     segments_of,
 )
+from veloxpatch.checked_io import save_checked
+from veloxpatch.errors import CalibrationError, OptionError
 from veloxpatch.probe import run_probe
+
+
+def load_scorer(path, model):
+    """The scorer file as a kvzap cache bound to `model` reads it."""
+    return format.load_scorer(path, dims_of(model), hidden_size(model))
 
 
 class ByteTokenizer:
@@ -82,7 +88,7 @@ def test_mlp_fit_learns_what_a_line_cannot():
     lin = fit_ridge(X[train], Y[train])
 
     def r2(w):
-        from veloxpatch.kvzap_scorer import predict
+        from veloxpatch.calibration.kvzap import predict
 
         return fit_quality(predict(w, X[test]), Y[test])["r2"]
 
@@ -100,7 +106,7 @@ def test_a_standardized_mlp_folds_its_scaling_into_the_first_layer():
     plain = fit_mlp(
         ((X - mean) / std).astype(np.float32), Y, hidden=16, epochs=3, weight_decay=0.01
     )
-    from veloxpatch.kvzap_scorer import predict
+    from veloxpatch.calibration.kvzap import predict
 
     ref = predict(plain, ((X - mean) / std).astype(np.float32))
     np.testing.assert_allclose(predict(folded, X), ref, rtol=1e-4, atol=1e-4)
@@ -325,7 +331,7 @@ def test_a_kvzip_target_fits_kvzips_own_scores_and_the_file_says_so(tmp_path):
     """`target="kvzip"`: the collected targets are log KVzip scores (the
     maximum repeat probability, so never above 0), not KVzip+'s; the file
     carries the target, an unknown one is refused as damaged."""
-    from veloxpatch.kvzap_scorer import collect
+    from veloxpatch.calibration.kvzap import collect
 
     model = tiny_model("llama")
     ids = prompt_tokens(200).tolist()

@@ -49,7 +49,7 @@ def test_full_kv_is_what_mlx_lm_own_caches_hold(arch, n, step):
 
 @smollm
 def test_stats_line_of_full_reports_held_equal_to_full(loaded, monkeypatch):
-    from veloxpatch import models
+    from veloxpatch.loading import models
 
     monkeypatch.setattr(models, "load", lambda *a, **k: loaded)
     res = CliRunner().invoke(

@@ -9,8 +9,8 @@ import pytest
 from conftest import smollm
 from mlx_lm.utils import save_config, save_model
 
-from veloxpatch import models
-from veloxpatch.models import ModelLoadError, load
+from veloxpatch.loading import models
+from veloxpatch.loading.models import ModelLoadError, load
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -278,8 +278,8 @@ def test_generate_cli_refuses_a_kvzip_context_over_max_kv_bytes(monkeypatch):
     from click.testing import CliRunner
     from test_kvzip import TOK
 
-    from veloxpatch import models
     from veloxpatch.cli import main
+    from veloxpatch.loading import models
 
     monkeypatch.setattr(models, "load", lambda *a, **k: (tiny_model("llama"), TOK))
     args = ["generate", "--algo", "kvzip", "--max-kv-bytes", "80KB", "--no-chat"]

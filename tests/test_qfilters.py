@@ -8,12 +8,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from oracle import check_oracle
-from tiny import prompt_tokens, tiny_model
+from tiny import dims_of, prompt_tokens, tiny_model
 
 import veloxpatch
+from model_adapters.base import fingerprint
 from veloxpatch.caches.qfilters import group_mean
-from veloxpatch.calibration import capture_queries, query_filters
-from veloxpatch.calibration_files import fingerprint, load_filters, save_filters
+from veloxpatch.calibration.format import load_filters
+from veloxpatch.calibration.qfilters import (
+    capture_queries,
+    query_filters,
+    save_filters,
+)
 from veloxpatch.errors import CalibrationError, OptionError
 
 ARCHS = ["llama", "qwen3", "ministral3"]
@@ -56,7 +61,7 @@ def test_orientation_most_queries_project_positively(tmp_path, arch):
 def test_round_trip_in_a_fresh_process(tmp_path):
     path = tmp_path / "f.safetensors"
     model, _, per_head = calibrated("llama", path)
-    loaded = load_filters(path, model)
+    loaded = load_filters(path, dims_of(model))
     kv = model.layers[0].self_attn.n_kv_heads
     for f, g in zip(per_head, loaded):
         assert mx.array_equal(group_mean(f, kv), g)
@@ -195,7 +200,7 @@ def test_calibrate_on_a_model_with_sliding_window_layers(tmp_path):
     per_head = [None if q is None else query_filters(q) for q in queries]
     path = tmp_path / "swa.safetensors"
     save_filters(path, per_head, model)
-    loaded = load_filters(path, model)
+    loaded = load_filters(path, dims_of(model))
     assert loaded[0] is None and loaded[2] is None and loaded[1].shape == (2, 16)
     with veloxpatch.patched(model, "qfilters", budget=12, window=2, filters=str(path)):
         out = model(prompt_tokens(30)[None])

@@ -48,7 +48,7 @@ def test_scripts_are_eval_with_their_defaults(script, defaults):
 def test_a_script_checks_like_eval(tmp_path, monkeypatch):
     import quality_passkey
 
-    from veloxpatch import models
+    from veloxpatch.loading import models
 
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(SystemExit) as done:

@@ -118,10 +118,10 @@ def test_a_replayed_kvzip_arm_is_refused_as_a_direct_one_under_max_kv_bytes(
 
     from test_kvzip import TOK
 
-    from veloxpatch import models
     from veloxpatch.errors import OptionError
     from veloxpatch.eval.arms import Arm
     from veloxpatch.eval.sessions import Prefills, arm_caches
+    from veloxpatch.loading import models
 
     model = tiny_model("llama")
     monkeypatch.setitem(models._TOKENIZERS, id(model), (weakref.ref(model), TOK))

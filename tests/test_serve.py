@@ -4,7 +4,7 @@
 The server is started once for the module (`serving.running_server`: under
 `timeout` in its own process group, killed whole when the module ends, and
 checked gone).
---max-kv-bytes 60MB: a short request reserves ~18.6 MB (the decode bound, with
+--kv-cap 60MB: a short request reserves ~18.6 MB (the decode bound, with
 snapkv's window of queries, plus its prompt-end snapshot, in 256-row steps of
 46,440 bytes), so three fit and a fourth waits for room; a
 1,500-token prompt (~71 MB at full precision before SnapKV compresses it)
@@ -25,7 +25,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 @pytest.fixture(scope="module")
 def server():
-    args = ["--algo", "snapkv", "--budget", "64", "--max-kv-bytes", "60MB"]
+    args = ["--algo", "snapkv", "--budget", "64", "--kv-cap", "60MB"]
     with running_server(*args, "--max-tokens", "16") as srv:
         yield srv.url, srv.log
 
@@ -114,7 +114,7 @@ def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server):
     assert status == 400 and "Invalid JSON" in body
     long_prompt = [{"role": "user", "content": "Paris is lovely. " * 300}]
     status, body = chat(url, long_prompt)
-    assert status == 413 and "--max-kv-bytes" in json.loads(body)["error"]
+    assert status == 413 and "--kv-cap" in json.loads(body)["error"]
     status, body = ask(url)
     assert status == 200 and "Paris" in body
 
@@ -152,6 +152,7 @@ def test_help_lists_our_options_and_mlx_lm_server_flags():
     for flag in (
         "--algo-arg",
         "--max-kv-bytes",
+        "--kv-cap",
         "--budget",
         "--compress-system-prompt",
     ):  # ours
@@ -160,6 +161,32 @@ def test_help_lists_our_options_and_mlx_lm_server_flags():
         assert flag in res.output  # mlx-lm's, passed through
     assert "--kv-bits KV_BITS" not in res.output  # refused, listed as such
     assert "Not supported here: --kv-bits" in res.output
+
+
+def test_max_kv_bytes_is_the_per_sequence_budget_and_kv_cap_the_server_cap(
+    monkeypatch,
+):
+    """One name, one meaning: `serve --max-kv-bytes` is what it is in
+    `generate` (an algorithm option); the server-wide cap is `--kv-cap`."""
+    from click.testing import CliRunner
+
+    from veloxpatch.cli import main
+    from veloxpatch.serve import server
+
+    seen = {}
+
+    def run(cli_args, model, algo, options, **kwargs):
+        seen.update(algo=algo, options=options, **kwargs)
+
+    monkeypatch.setattr(server, "run", run)
+    args = ["serve", "--algo", "snapkv", "--max-kv-bytes", "48MB", "--kv-cap", "2GB"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert seen["options"] == {"max_kv_bytes": "48MB"}
+    assert seen["kv_cap"] == 2_000_000_000
+    res = CliRunner().invoke(main, ["serve", "--algo", "snapkv", "--budget", "64"])
+    assert res.exit_code == 0, res.output
+    assert seen["options"] == {"budget": 64} and seen["kv_cap"] is None
 
 
 @smollm

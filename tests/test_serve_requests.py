@@ -4,7 +4,7 @@ real server on 127.0.0.1 (the embedded SmolLM2, `full` cache).
 Every bad field gets one 400 naming it and the server keeps serving; a client
 that disconnects stops its generation and gives back its KV reservation;
 SIGTERM/SIGINT answer the requests in flight with an error and exit quickly.
---max-kv-bytes 100MB: a request with max_tokens 2000 reserves ~95 MB (2,048
+--kv-cap 100MB: a request with max_tokens 2000 reserves ~95 MB (2,048
 rows of 46,440 bytes), so while it runs a short one (~11.9 MB) gets 503, and
 gets 200 once the long one has given its reservation back.
 """
@@ -31,7 +31,7 @@ LONG = {"messages": [{"role": "user", "content": "Tell a long story."}]}
 
 @pytest.fixture(scope="module")
 def server():
-    args = ["--algo", "full", "--max-kv-bytes", "100MB", "--max-tokens", "4"]
+    args = ["--algo", "full", "--kv-cap", "100MB", "--max-tokens", "4"]
     with running_server(*args) as srv:
         yield srv
 

@@ -13,7 +13,7 @@ from helpers import greedy, max_abs
 from oracle import oracle_logits, run_patched
 
 import veloxpatch
-from veloxpatch.eval.text import prose_tokens
+from veloxpatch.prose import prose_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,11 @@ def test_demo_answers_paris():
 def test_qfilters_file_fits_the_model_quantized_or_not(loaded, tmp_path):
     # The fingerprint hashes fp16 weight samples: the GGUF-quantized model and
     # its float32 dequantization are the same model for a filters file.
-    from veloxpatch.calibration_files import fingerprint, load_filters, save_filters
+    from tiny import dims_of
+
+    from model_adapters.base import fingerprint
+    from veloxpatch.calibration.format import load_filters
+    from veloxpatch.calibration.qfilters import save_filters
 
     model, _ = loaded
     quantized, _ = veloxpatch.load(quantized=True)
@@ -76,14 +80,14 @@ def test_qfilters_file_fits_the_model_quantized_or_not(loaded, tmp_path):
     assert fingerprint(quantized) == fingerprint(model)
     filters = [mx.ones((9, 64)) / 8 for _ in model.layers]  # unit vectors
     save_filters(tmp_path / "f.safetensors", filters, quantized)
-    assert len(load_filters(tmp_path / "f.safetensors", model)) == 30
+    assert len(load_filters(tmp_path / "f.safetensors", dims_of(model))) == 30
 
 
 @smollm
 def test_qfilters_calibration_orientation_on_smollm(loaded):
     # Every layer and query head: most calibration queries project positively
     # on its filter, and the filters differ between heads (not one bias vector).
-    from veloxpatch.calibration import calibrate
+    from veloxpatch.calibration.run import calibrate
 
     model, tokenizer = loaded
     per_head, queries = calibrate(model, tokenizer, tokens=256)

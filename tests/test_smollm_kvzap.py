@@ -10,7 +10,7 @@ from mlx_lm import stream_generate
 
 import veloxpatch
 from veloxpatch.cli import main
-from veloxpatch.eval.text import prose_tokens
+from veloxpatch.prose import prose_tokens
 
 
 @pytest.fixture(scope="module")

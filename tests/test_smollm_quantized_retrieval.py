@@ -6,10 +6,10 @@ from conftest import smollm
 from helpers import greedy, max_abs
 
 import veloxpatch
-from veloxpatch.calibration_files import with_norms
-from veloxpatch.codebook import capture, layer_codebook
+from veloxpatch.calibration.a2ats import capture, layer_codebook
+from veloxpatch.calibration.format import with_norms
 from veloxpatch.eval.codebook_quality import capture_segment, codebook_quality
-from veloxpatch.eval.text import prose_tokens
+from veloxpatch.prose import prose_tokens
 
 
 @smollm

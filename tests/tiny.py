@@ -141,6 +141,14 @@ def resolve_options(model, options: dict) -> dict:
     return {**options, "scorer": str(tiny_scorer(model))}
 
 
+def dims_of(model):
+    """The model's dims as its adapter reports them (what calibration files are
+    loaded against)."""
+    from model_adapters import adapter_for
+
+    return adapter_for(model).dims(model)
+
+
 def tiny_scorer(model, seed: int = 0):
     """A seeded random linear kvzap scorer for `model`, written once per model
     fingerprint: scores about N(0, 1), so threshold 0 drops about half."""
@@ -149,7 +157,8 @@ def tiny_scorer(model, seed: int = 0):
     import tempfile
     from pathlib import Path
 
-    from veloxpatch.calibration_files import fingerprint, save_scorer
+    from model_adapters.base import fingerprint
+    from veloxpatch.calibration.kvzap import save_scorer
 
     global _SCORERS
     if _SCORERS is None:

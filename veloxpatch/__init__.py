@@ -12,11 +12,11 @@ _EXPORTS = {
     "unpatch": "api",
     "algos": "api",
     "Patch": "api",
-    "load": "models",
+    "load": "loading.models",
     "save_cache": "caches.io",
     "load_cache": "caches.io",
     "copy_cache": "context",
-    "calibrate": "calibration",
+    "calibrate": "calibration.run",
     "VeloxpatchError": "errors",
 }
 

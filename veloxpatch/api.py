@@ -259,7 +259,7 @@ def apply(model, algo: str = "full", *, tokenizer=None, **options) -> Patch:
     lets kvzip run its reconstruction pass inside mlx-lm's generate functions."""
     from model_adapters import adapter_for
 
-    from .models import tokenizer_of
+    from .loading.models import tokenizer_of
 
     mlx_lm_internals.check()  # once per process: what we rely on is unchanged
     adapter = adapter_for(model)

@@ -8,7 +8,7 @@ written whole, at exactly the path given, with a checksum; read back checked.
   gains ``CHECKSUM_KEY``: the SHA-256 of every other metadata entry and of every
   array's name, dtype, shape and bytes, in sorted order.
 - ``load_checked(path, error, what)`` checks the header in Python
-  (`safetensors_header.check_safetensors`), then reads the file with ``mx.load``
+  (`loading.safetensors_header.check_safetensors`), then reads the file with ``mx.load``
   whatever its suffix; ``verify(...)`` recomputes the checksum. Callers check
   their format string between the two, so a file of another kind is named as
   such rather than as "damaged".
@@ -28,7 +28,7 @@ import uuid
 import mlx.core as mx
 import numpy as np
 
-from .safetensors_header import check_safetensors
+from .loading.safetensors_header import check_safetensors
 
 CHECKSUM_KEY = "veloxpatch.sha256"
 

@@ -300,7 +300,7 @@ INTERNALS = (
     Internal(
         "mlx_lm.server:main",
         "builds the server's parser and calls parse_args before anything else "
-        "(server_parser: cli_serve.py)",
+        "(server_parser: cli/serve.py)",
         source_sha256=(
             "747b1f39c7f17ad7832b7ee60dbaa978b9ea5ee2fb1a1389b43847ee7527348d"
         ),

@@ -26,7 +26,7 @@ from veloxpatch.caches import kv_bits  # noqa: E402
 from veloxpatch.eval.arms import Arm, parse_arm, split_arms  # noqa: E402
 from veloxpatch.eval.metrics import agreement_and_kl  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-from veloxpatch.eval.text import prose_segments  # noqa: E402
+from veloxpatch.prose import prose_segments  # noqa: E402
 
 # holes allowed before compaction: max(group, rows // share)
 COMPACTION = {"never": 1e-12, "lazy": kv_bits.HOLE_SHARE, "eager": 10**9}

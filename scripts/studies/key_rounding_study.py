@@ -33,15 +33,15 @@ blas.preload()
 
 import mlx.core as mx  # noqa: E402
 
-from veloxpatch import models  # noqa: E402
 from veloxpatch.caches.quantized import (  # noqa: E402
     QuantizedStore,
     future_moment,
     rotation_signs,
 )
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-from veloxpatch.eval.text import prose_segments  # noqa: E402
+from veloxpatch.loading import models  # noqa: E402
 from veloxpatch.probe import run_probe  # noqa: E402
+from veloxpatch.prose import prose_segments  # noqa: E402
 
 GROUP, SINKS = 32, 1
 CHOICES = ("nearest", "own positions", "newest", "rope-moved", "oracle")

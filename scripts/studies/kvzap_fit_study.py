@@ -32,7 +32,7 @@ RIDGE_SHARES = (4, 2, 1)  # every n-th sample of a segment
 
 
 def _row(fit: str, options: dict, report: list, seconds: float) -> dict:
-    from veloxpatch.kvzap_scorer import summary
+    from veloxpatch.calibration.kvzap import summary
 
     seconds = round(seconds, 1)
     return {"fit": fit, "options": options, **summary(report), "fit_seconds": seconds}
@@ -53,15 +53,15 @@ def main() -> None:
 
     blas.preload()  # before mlx is imported
     import veloxpatch
-    from veloxpatch.eval.runinfo import run_info, write_results
-    from veloxpatch.eval.text import prose_tokens
-    from veloxpatch.kvzap_scorer import (
+    from veloxpatch.calibration.kvzap import (
         collect,
         fit_layers,
         fit_mlp,
         fit_ridge,
         held_out,
     )
+    from veloxpatch.eval.runinfo import run_info, write_results
+    from veloxpatch.prose import prose_tokens
 
     model, tokenizer = veloxpatch.load()
     ids = prose_tokens(tokenizer, args.tokens, "calibration")

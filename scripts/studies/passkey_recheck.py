@@ -23,7 +23,7 @@ from veloxpatch.eval.agnostic import run_agnostic_case  # noqa: E402
 from veloxpatch.eval.arms import Arm, bind_to, parse_arm  # noqa: E402
 from veloxpatch.eval.passkey import make_cases  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-from veloxpatch.models import load  # noqa: E402
+from veloxpatch.loading.models import load  # noqa: E402
 
 CASES_PER_SEED = 10  # as the eval runs the seeds rechecked
 

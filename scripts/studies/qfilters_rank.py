@@ -32,10 +32,11 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import veloxpatch  # noqa: E402
-from veloxpatch.calibration_files import load_filters  # noqa: E402
+from model_adapters import adapter_for  # noqa: E402
+from veloxpatch.calibration.format import load_filters  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
-from veloxpatch.eval.text import prose_length, prose_tokens  # noqa: E402
 from veloxpatch.probe import run_probe  # noqa: E402
+from veloxpatch.prose import prose_length, prose_tokens  # noqa: E402
 
 SINKS = 4
 
@@ -101,7 +102,7 @@ def main():
     args = ap.parse_args()
     info = run_info()
     model, tokenizer = veloxpatch.load(args.model)
-    filters = load_filters(args.filters, model)
+    filters = load_filters(args.filters, adapter_for(model).dims(model))
     total = prose_length(tokenizer, "evaluation")
     stride = (total - args.context) // max(1, args.segments - 1)
     per_segment = []

@@ -40,8 +40,8 @@ from veloxpatch.eval.metrics import (  # noqa: E402
 )
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.eval.sessions import arm_caches  # noqa: E402
-from veloxpatch.eval.text import prose_segments  # noqa: E402
 from veloxpatch.memory import kv_bytes  # noqa: E402
+from veloxpatch.prose import prose_segments  # noqa: E402
 
 
 def flush_ms(grid: str, bits: int, group: int = 32, repeats: int = 200) -> float:

@@ -25,7 +25,7 @@ import math
 
 import mlx.core as mx
 
-from ..calibration_format import load_codebook
+from ..calibration.format import load_codebook
 from ..errors import OptionError, UnsupportedModelError
 from .base import VeloxCache
 from .options import CacheOptions, check_int, check_number, check_path, option

@@ -55,12 +55,13 @@ UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
 
 
-def parse_size(value) -> int:
+def parse_size(value, name: str = "max_kv_bytes") -> int:
     """Bytes from an int or a string like "48MB", "1.5GiB", "4096" (KB, MB, GB
-    are powers of 1000; KiB, MiB, GiB of 1024). At least one byte."""
+    are powers of 1000; KiB, MiB, GiB of 1024). At least one byte; errors name
+    the option as `name`."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise OptionError(
-            f"max_kv_bytes must be a size like 48MB, 512KiB or a number of "
+            f"{name} must be a size like 48MB, 512KiB or a number of "
             f"bytes, got {value!r}"
         )
     if isinstance(value, int):
@@ -69,12 +70,12 @@ def parse_size(value) -> int:
         m = _SIZE.match(value.lower())
         if m is None or m.group(2) not in UNITS:
             raise OptionError(
-                f"max_kv_bytes must be a size like 48MB, 512KiB or a number of "
+                f"{name} must be a size like 48MB, 512KiB or a number of "
                 f"bytes (units B, KB, MB, GB, KiB, MiB, GiB), got {value!r}"
             )
         n = math.floor(float(m.group(1)) * UNITS[m.group(2)])
     if n < 1:
-        raise OptionError(f"max_kv_bytes must be at least 1 byte, got {value!r}")
+        raise OptionError(f"{name} must be at least 1 byte, got {value!r}")
     return n
 
 

@@ -42,7 +42,7 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..calibration_format import SCORER_TARGETS, load_scorer
+from ..calibration.format import SCORER_TARGETS, load_scorer
 from ..errors import CacheFileError, OptionError, PatchStateError
 from .attention_math import newest_queries
 from .base import PAD_POSITION

@@ -19,7 +19,7 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..calibration_format import group_mean, load_filters
+from ..calibration.format import group_mean, load_filters
 from ..errors import OptionError
 from .eviction import EvictingCache, EvictionOptions
 from .options import check_int, check_path, option

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import OptionError
+from ..option_text import parse_pairs
 
 
 @dataclass
@@ -56,33 +57,6 @@ def bind_to(model, arms) -> None:
     for arm in arms:
         if not is_peer(arm.algo):
             make_options(arm.algo, arm.options, model)
-
-
-def parse_value(text: str):
-    """Option values from text: int, float, bool, none or string."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_pairs(pairs) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise OptionError(f"expected KEY=VALUE, got {pair!r}")
-        if key.strip() in out:
-            raise OptionError(f"option {key.strip()!r} given twice")
-        out[key.strip()] = parse_value(value.strip())
-    return out
 
 
 def split_arms(text: str) -> list[str]:

@@ -22,10 +22,10 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from ..memory import kv_bytes
+from ..prose import check_length, prose_length, prose_tokens
 from . import peers
 from .arms import Arm, bind_to
 from .sessions import arm_caches, mlx_kind
-from .text import check_length, prose_length, prose_tokens
 
 BASELINE = Arm("unpatched")
 # medians in the table: KV held at the end; mlx's peak during the prefill and

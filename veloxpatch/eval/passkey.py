@@ -8,8 +8,8 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from ..models import chat_prompt
-from .text import prose_length, prose_tokens
+from ..loading.models import chat_prompt
+from ..prose import prose_length, prose_tokens
 
 # Phrased as a "secret number": the evaluation prose is Python documentation, and
 # SmolLM2 answers "pass key" questions about Python keys instead (measured: 0/5

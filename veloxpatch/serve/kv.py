@@ -1,4 +1,4 @@
-"""`veloxpatch serve --max-kv-bytes`: the KV bytes the server holds, bounded.
+"""`veloxpatch serve --kv-cap`: the KV bytes the server holds, bounded.
 
 The bound covers every request in flight (queued or generating) plus mlx-lm's
 prompt cache. A request reserves an upper bound on the KV bytes it can hold
@@ -116,7 +116,7 @@ class KVLedger:
                     raise Refused(
                         413,
                         f"this request may hold up to {need:,} bytes of KV cache, "
-                        f"more than the server's --max-kv-bytes {self.cap:,}; "
+                        f"more than the server's --kv-cap {self.cap:,}; "
                         "send a shorter prompt, a lower max_tokens or a smaller "
                         "budget (the algorithm's bound may not depend on the prompt)",
                     )
@@ -124,7 +124,7 @@ class KVLedger:
                     raise Refused(
                         503,
                         f"KV cache full: {self.in_flight} requests in flight hold "
-                        f"up to {self.reserved:,} of --max-kv-bytes {self.cap:,} "
+                        f"up to {self.reserved:,} of --kv-cap {self.cap:,} "
                         f"bytes and this one may need {need:,}; retry later",
                     )
                 room = self.cap - self.reserved - need

@@ -66,7 +66,7 @@ class PatchedModelProvider(ModelProvider):
     def names(self) -> set[str]:
         """The model names a request may give: mlx-lm's default, the path as
         given, its absolute form, and its file or folder name."""
-        from ..models import embedded_model_path
+        from ..loading.models import embedded_model_path
 
         path = Path(self.source) if self.source else embedded_model_path()
         names = {"default_model", str(path), path.name, path.stem}
@@ -77,7 +77,7 @@ class PatchedModelProvider(ModelProvider):
         return names
 
     def served_name(self) -> str:
-        from ..models import embedded_model_path
+        from ..loading.models import embedded_model_path
 
         return str(self.source) if self.source else embedded_model_path().stem
 
@@ -95,7 +95,7 @@ class PatchedModelProvider(ModelProvider):
 
     def _load_patched(self):
         from ..api import apply
-        from ..models import load
+        from ..loading.models import load
 
         model, tokenizer = load(self.source, quantized=self.quantized)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
@@ -364,7 +364,7 @@ def run(
     algo,
     options,
     *,
-    max_kv_bytes=None,
+    kv_cap=None,
     quantized=None,
     compress_system=False,
 ):
@@ -380,7 +380,7 @@ def run(
         provider=provider,
         prompt_cache=prompt_cache,
         estimate=KVEstimate(provider.patch),
-        ledger=KVLedger(max_kv_bytes, prompt_cache),
+        ledger=KVLedger(kv_cap, prompt_cache),
         tokenizer_lock=threading.Lock(),
         limits=model_limits(provider.model),
     )
@@ -391,7 +391,7 @@ def run(
         provider.served_name(),
         algo,
         provider.patch.options,
-        "none" if max_kv_bytes is None else f"{max_kv_bytes:,} bytes",
+        "none" if kv_cap is None else f"{kv_cap:,} bytes",
     )
     handler = type("Handler", (Handler,), {"state": state})
     stop_on_signals()

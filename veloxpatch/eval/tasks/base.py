@@ -56,8 +56,8 @@ def require(ok: bool, message: str) -> None:
 
 
 def check_text(text: str) -> None:
-    """A built-in prose half or a readable UTF-8 file (eval.text.prose reads it)."""
-    from ..text import check_source
+    """A built-in prose half or a readable UTF-8 file (prose.prose reads it)."""
+    from ...prose import check_source
 
     check_source(text)
 

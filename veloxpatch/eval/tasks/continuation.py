@@ -7,8 +7,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from ...prose import check_length, prose_length, prose_segments
 from ..metrics import evaluate_continuation
-from ..text import check_length, prose_length, prose_segments
 from .base import EvalTask, check_protocol, check_text, require
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import OptionError
+from ...prose import check_length, prose_length
 from ..agnostic import run_agnostic_case
 from ..arms import Arm
 from ..passkey import make_cases
 from ..runner import run_case, smallest_budget, summarize
-from ..text import check_length, prose_length
 from .base import EvalTask, check_protocol, check_text, require
 
 # make_case spends about this many tokens on the instructions, needle and question

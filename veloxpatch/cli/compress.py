@@ -9,7 +9,7 @@ import time
 
 import click
 
-from .cli_checks import (
+from .checks import (
     NonEmpty,
     OutputFile,
     UserError,
@@ -24,7 +24,7 @@ MARK = "\x00veloxpatch-question\x00"
 def split_turn(tokenizer, text: str, chat: bool | None):
     """(the context's text with the chat template's head, the tail that follows
     a question: the turn change to the assistant). No template: ("text", "")."""
-    from .models import chat_prompt
+    from ..loading.models import chat_prompt
 
     wrapped = chat_prompt(tokenizer, text + MARK, chat)
     head, tail = wrapped.split(MARK)
@@ -51,12 +51,13 @@ def split_turn(tokenizer, text: str, chat: bool | None):
 @user_errors
 def compress(model, context_path, algo, budget, algo_args, out, force, chat):
     """Prefill and compress a context with no question; save its cache to OUT."""
-    from .api import apply, make_options
-    from .caches.io import save_cache
-    from .caches.options import absolute_paths
-    from .calibration_files import fingerprint
-    from .memory import full_kv_bytes, kv_bytes
-    from .models import load
+    from model_adapters.base import fingerprint
+
+    from ..api import apply, make_options
+    from ..caches.io import save_cache
+    from ..caches.options import absolute_paths
+    from ..loading.models import load
+    from ..memory import full_kv_bytes, kv_bytes
 
     options = algo_options(budget, algo_args)
     make_options(algo, options)  # fail before the slow load
@@ -86,7 +87,7 @@ def compress(model, context_path, algo, budget, algo_args, out, force, chat):
 
 
 def read_utf8(path) -> str:
-    from .cli_text import decode_utf8
+    from .text import decode_utf8
 
     with open(path, "rb") as f:
         text = decode_utf8(f.read(), f"--context {path}")
@@ -105,8 +106,9 @@ def question_ids(tokenizer, question: str, tail: str) -> list[int]:
 def load_context(path, model):
     """(caches, algo, options, the turn tail) of a `compress` file, checked
     against `model`."""
-    from .caches.io import load_cache
-    from .calibration_files import fingerprint
+    from model_adapters.base import fingerprint
+
+    from ..caches.io import load_cache
 
     caches, meta = load_cache(path, return_metadata=True)
     needed = ("algo", "options", "tail", "fingerprint")

@@ -1,18 +1,13 @@
-"""`veloxpatch` command line. User errors print one line and exit 2; every
-option is checked (cli_checks) before a model loads or any work starts."""
+"""`veloxpatch generate`: patch a model with an algorithm and stream a
+generation, then print what the KV cache held."""
 
 from __future__ import annotations
 
-import sys
-import textwrap
-
 import click
 
-from . import blas, cli_calibrate, cli_compress, cli_eval, cli_serve
-from .cli_checks import (
+from .checks import (
     Count,
     Finite,
-    Group,
     NonEmpty,
     UserError,
     algo_options,
@@ -20,22 +15,7 @@ from .cli_checks import (
 )
 
 
-@click.group(cls=Group)
-@click.version_option(package_name="veloxpatch")
-def main():
-    """Query-aware KV-cache compression for mlx-lm models."""
-    blas.preload()  # before anything below imports mlx
-
-
-# each subcommand module defines its command; the group only gathers them
-main.add_command(cli_calibrate.calibrate)
-main.add_command(cli_compress.compress)
-main.add_command(cli_eval.eval_)
-main.add_command(cli_eval.bench)
-main.add_command(cli_serve.serve)
-
-
-@main.command()
+@click.command()
 @click.option(
     "--model",
     type=NonEmpty(),
@@ -110,10 +90,10 @@ def generate(
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from .api import apply, make_options
-    from .cli_text import read_prompt
-    from .memory import full_kv_bytes, kv_bytes
-    from .models import chat_prompt, load
+    from ..api import apply, make_options
+    from ..loading.models import chat_prompt, load
+    from ..memory import full_kv_bytes, kv_bytes
+    from .text import read_prompt
 
     if cache_path is not None:
         given = {
@@ -125,11 +105,7 @@ def generate(
         if any(given.values()):
             drop = ", ".join(flag for flag, on in given.items() if on)
             raise UserError(f"--cache gives the algorithm and its options; drop {drop}")
-    options = algo_options(budget, algo_args)
-    if max_kv_bytes is not None:
-        if "max_kv_bytes" in options:
-            raise UserError("max_kv_bytes given twice: --max-kv-bytes and --algo-arg")
-        options["max_kv_bytes"] = max_kv_bytes
+    options = algo_options(budget, algo_args, max_kv_bytes)
     make_options(algo, options)  # fail before the slow load
     prompt = read_prompt(prompt)
     m, tokenizer = load(model, quantized=quantized)
@@ -137,7 +113,7 @@ def generate(
         raise UserError("--chat: the model has no chat template (use --no-chat)")
     caches = None
     if cache_path is not None:  # a question about a compressed context
-        from .cli_compress import load_context, question_ids
+        from .compress import load_context, question_ids
 
         caches, algo, options, tail = load_context(cache_path, m)
         prompt = question_ids(tokenizer, prompt, tail)
@@ -180,56 +156,3 @@ def generate(
             f"{ratio}",
             err=True,
         )
-
-
-@main.command("list")
-@click.option("--verbose", "-v", is_flag=True, help="also versions and BLAS")
-def list_(verbose):
-    """Algorithms and supported architectures."""
-    from model_adapters import ADAPTERS
-
-    from .api import ALGORITHMS
-
-    click.echo("algorithms:")
-    for name, cls in ALGORITHMS.items():
-        # a name wider than the column puts its summary on the next line
-        gap = " " if len(name) <= 14 else f"\n  {'':<14} "
-        click.echo(f"  {name:<14}{gap}{cls.summary}")
-        if verbose:
-            defaults = ", ".join(f"{k}={v}" for k, v in cls.Options().as_dict().items())
-            for line in textwrap.wrap(f"options: {defaults or '(none)'}", 62):
-                click.echo(f"  {'':<14} {line}")
-        if cls.note and (verbose or "note" in vars(cls)):
-            for line in textwrap.wrap(cls.note, 62):
-                click.echo(f"  {'':<14} {line}")
-    click.echo("architectures (mlx-lm model types):")
-    for adapter in ADAPTERS:
-        click.echo(f"  {adapter.name:<14} {', '.join(adapter.model_types)}")
-    if verbose:
-        import mlx.core as mx
-        import mlx_lm
-
-        click.echo(
-            f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, "
-            f"device {mx.default_device()}"
-        )
-        click.echo(f"BLAS: {blas.active()}")
-
-
-@main.command("adapter-check")
-@click.argument("cls", metavar="MODULE.CLASS")
-@user_errors
-def adapter_check(cls):
-    """Signature and source hash of an attention class's __call__, as an
-    adapter pins them (same as `python -m model_adapters.check`)."""
-    from model_adapters import check
-
-    try:
-        check.resolve(cls)  # bad input: the one-line error every command gives
-    except LookupError as e:
-        raise UserError(str(e)) from None
-    sys.exit(check.main([cls]))
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli_checks import UserError
+from .checks import UserError
 
 
 def _utf8(text: str, where: str) -> str:

@@ -9,8 +9,7 @@ c = c' L^-1. H is normalised to trace D and gets a small ridge (it may be near
 singular); `query_aware=False` uses H = I, plain k-means, for comparison.
 
 Keys are captured pre-RoPE and queries rotated to b through the probe seam
-(`probe.py`). The file (`calibration_files.py`) carries the model fingerprint
-and b.
+(`probe.py`). The file (`save_codebook`) carries the model fingerprint and b.
 """
 
 from __future__ import annotations
@@ -18,10 +17,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .caches.a2ats import rope_to
-from .calibration_format import RIDGE, with_norms
-from .errors import CalibrationError
-from .probe import rows_at, run_probe, sample_positions
+from model_adapters.base import fingerprint
+
+from ..caches.a2ats import rope_to
+from ..errors import CalibrationError
+from ..probe import rows_at, run_probe, sample_positions
+from .format import CODEBOOK_FORMAT, RIDGE, with_norms, write
 
 MAX_KEYS = 16384  # keys captured per layer: a codebook has at most this many codes
 
@@ -128,3 +129,18 @@ def calibrate_codebook(
         for c in captured
     ]
     return books, captured
+
+
+def save_codebook(path, books: list, model, far_position: int, info=None):
+    """Write per-layer codebooks (None for sliding-window layers) with the
+    model's fingerprint and the far position b the queries were rotated to."""
+    arrays = {
+        f"layer.{i}.{k}": v
+        for i, b in enumerate(books)
+        if b is not None
+        for k, v in b.items()
+        if k != "tnorm2"  # derived, recomputed on load
+    }
+    far = str(far_position)
+    fp = fingerprint(model)
+    write(path, arrays, fp, CODEBOOK_FORMAT, "a2ats", info, far_position=far)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from ..errors import OptionError
+from .errors import OptionError
 
 LICENSES = Path("/usr/share/common-licenses")
 LICENSE_SPLITS = {

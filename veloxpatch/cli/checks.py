@@ -41,7 +41,7 @@ def one_line(text) -> str:
 @contextlib.contextmanager
 def one_line_errors():
     """Re-raise click's usage errors and veloxpatch's user errors as UserError."""
-    from .errors import VeloxpatchError
+    from ..errors import VeloxpatchError
 
     try:
         yield
@@ -171,13 +171,13 @@ class NonEmpty(_Type):
 
 class TextSource(_Type):
     """A built-in prose (`calibration`, `evaluation`, `licenses-*`) or a UTF-8
-    text file (eval.text.check_source, which every reader of prose uses)."""
+    text file (prose.check_source, which every reader of prose uses)."""
 
     name = "text"
 
     def convert(self, value, param, ctx):
-        from .errors import OptionError
-        from .eval.text import check_source
+        from ..errors import OptionError
+        from ..prose import check_source
 
         try:
             check_source(value)
@@ -267,13 +267,16 @@ def refuse_unread(ctx: click.Context, names, why: str) -> None:
         raise UserError(f"{flags} {'is' if len(unread) == 1 else 'are'} {why}")
 
 
-def algo_options(budget, algo_args) -> dict:
-    """`--algo-arg k=v` pairs with `--budget` merged in (given once only)."""
-    from .eval.arms import parse_pairs
+def algo_options(budget, algo_args, max_kv_bytes=None) -> dict:
+    """`--algo-arg k=v` pairs with `--budget` and `--max-kv-bytes` (the
+    per-sequence budget in bytes) merged in, each given once only."""
+    from ..option_text import parse_pairs
 
     options = parse_pairs(algo_args)
-    if budget is not None:
-        if "budget" in options:
-            raise UserError("budget given twice: --budget and --algo-arg budget=")
-        options["budget"] = budget
+    for key, value in (("budget", budget), ("max_kv_bytes", max_kv_bytes)):
+        if value is not None:
+            if key in options:
+                flag = "--" + key.replace("_", "-")
+                raise UserError(f"{key} given twice: {flag} and --algo-arg {key}=")
+            options[key] = value
     return options

@@ -14,8 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from veloxpatch.gguf import ModelFileError, ModelLoadError, load_gguf
-from veloxpatch.safetensors_header import check_safetensors
+from .gguf import ModelFileError, ModelLoadError, load_gguf
+from .safetensors_header import check_safetensors
 
 __all__ = [
     "ModelFileError",

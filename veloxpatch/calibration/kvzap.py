@@ -24,8 +24,10 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .calibration_format import SCORER_TARGETS
-from .errors import CalibrationError
+from model_adapters.base import fingerprint
+
+from ..errors import CalibrationError
+from .format import KVZAP_FORMAT, SCORER_TARGETS, write
 
 SEGMENT = 1024  # tokens per calibration text
 PER_SEGMENT = 512  # positions sampled per segment
@@ -68,9 +70,9 @@ def collect(
     """Per segment (X, Y): per layer X [n, hidden] hidden states entering
     attention and Y [n, Hkv] log `target` scores (KVzip+ or KVzip) at n
     sampled positions (None for sliding-window layers)."""
-    from . import api
-    from .caches.kvzip import KVzipCache
-    from .probe import rows_at
+    from .. import api
+    from ..caches.kvzip import KVzipCache
+    from ..probe import rows_at
 
     if api.patch_of(model) is not None:
         raise CalibrationError("kvzap calibration patches the model itself; restore it")
@@ -160,7 +162,7 @@ def fit_mlp(
     `weight_decay`: AdamW's decoupled decay (0: Adam)."""
     import mlx.optimizers as optim
 
-    from .caches.kvzap import surrogate_scores
+    from ..caches.kvzap import surrogate_scores
 
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
@@ -198,7 +200,7 @@ def fit_mlp(
 
 def predict(weights: dict, X: np.ndarray) -> np.ndarray:
     """[n, H] the surrogate's scores of X [n, D] (the cache's own forward)."""
-    from .caches.kvzap import surrogate_scores
+    from ..caches.kvzap import surrogate_scores
 
     w = {k: mx.array(v, mx.float32) for k, v in weights.items()}
     return np.array(surrogate_scores(w, mx.array(X, mx.float32)[None])[0].T)
@@ -302,3 +304,17 @@ def calibrate_scorer(
         "fit_seconds": round(time.perf_counter() - start - scored, 1),
     }
     return layers, info
+
+
+def save_scorer(path, layers: list, model, kind: str, info=None, target="kvzip+"):
+    """Write per-layer kvzap surrogates ({w1, b1[, w2, b2]}, None for
+    sliding-window layers) of `kind` ("linear" or "mlp"), predicting `target`
+    scores ("kvzip+" or "kvzip"), with the model's fingerprint."""
+    arrays = {
+        f"layer.{i}.{k}": v.astype(mx.float32)
+        for i, w in enumerate(layers)
+        if w is not None
+        for k, v in w.items()
+    }
+    fp = fingerprint(model)
+    write(path, arrays, fp, KVZAP_FORMAT, "kvzap", info, kind=kind, target=target)

@@ -1,7 +1,8 @@
-"""Calibration files as the caches read them: their formats, and loading one
-checked against the model it is bound to (`Options.bind` hands over the
-model's dims, which carry its fingerprint). Writing them, which needs the model
-itself, is `calibration_files.py`.
+"""Calibration files: their formats, writing one (`write`, with the
+fingerprint of the model it was calibrated on) and loading one checked against
+the model it is bound to (`Options.bind` hands over the model's dims, which
+carry its fingerprint). Each kind's module (`qfilters`, `a2ats`, `kvzap`)
+writes its own arrays through `write`; the caches load them from here.
 
 A file is safetensors with a format string, the model's fingerprint and, per
 patched layer, its arrays, written with a checksum (`checked_io`). Loading it
@@ -19,8 +20,8 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from .checked_io import load_checked, verify
-from .errors import CalibrationError
+from ..checked_io import load_checked, save_checked, verify
+from ..errors import CalibrationError
 
 QFILTERS_FORMAT = "veloxpatch-qfilters/1"
 CODEBOOK_FORMAT = "veloxpatch-a2ats/1"
@@ -35,6 +36,21 @@ def group_mean(filters: mx.array, kv_heads: int) -> mx.array:
     (a Q-Filters file's KV-head filters)."""
     hq, d = filters.shape
     return filters.reshape(kv_heads, hq // kv_heads, d).mean(axis=1)
+
+
+def write(
+    path, arrays: dict, fingerprint: dict, fmt: str, algo: str, info=None, **extra
+) -> None:
+    """Write a calibration file of format `fmt` at exactly `path`, with the
+    model's `fingerprint`, the run's `info` and `extra` string metadata."""
+    meta = {
+        "format": fmt,
+        "algo": algo,
+        "fingerprint": json.dumps(fingerprint, sort_keys=True),
+        "info": json.dumps(info or {}, sort_keys=True),
+        **extra,
+    }
+    save_checked(path, arrays, meta, CalibrationError)
 
 
 def _patched_layers(dims) -> list[int]:

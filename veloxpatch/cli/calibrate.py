@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .cli_checks import (
+from .checks import (
     Count,
     NonEmpty,
     OutputFile,
@@ -88,15 +88,17 @@ def calibrate(
     KVzip+ scores; save to OUT."""
     import mlx.core as mx
 
-    from . import calibration, models
-    from .eval.text import check_length, prose_length
+    from ..calibration.run import calibrate as run_calibration
+    from ..calibration.run import check_algo
+    from ..loading import models
+    from ..prose import check_length, prose_length
 
-    calibration.check_algo(algo)  # before the slow load
+    check_algo(algo)  # before the slow load
     if tokens is None:
         tokens = DEFAULT_TOKENS.get(algo, 4096)
     if algo == "a2ats":
-        from .api import make_options
-        from .codebook import MAX_KEYS
+        from ..api import make_options
+        from ..calibration.a2ats import MAX_KEYS
 
         # far_position: the check of the option a codebook is later used with
         make_options(algo, {"far_position": far_position})
@@ -123,7 +125,7 @@ def calibrate(
     with click.progressbar(
         length=tokens, label="calibration tokens", file=sys.stderr
     ) as bar:
-        per_head, queries = calibration.calibrate(
+        per_head, queries = run_calibration(
             loaded,
             tokenizer,
             algo,

@@ -9,8 +9,8 @@ import mmap
 import os
 import struct
 
-from .errors import FileFormatError
-from .fileformat import _mapped
+from ..errors import FileFormatError
+from .fileformat import mapped
 
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -34,7 +34,7 @@ def check_safetensors(path, error=FileFormatError) -> dict:
     def fail(why):
         return error(f"{path}: damaged or unreadable safetensors file: {why}")
 
-    f, buf = _mapped(path, error, "safetensors")
+    f, buf = mapped(path, error, "safetensors")
     with f:
         try:
             size = len(buf)

@@ -12,7 +12,7 @@ import argparse
 
 import click
 
-from .cli_checks import NonEmpty, UserError, algo_options, user_errors
+from .checks import NonEmpty, UserError, algo_options, user_errors
 
 # mlx-lm server flags that would bypass or break the patch: refused up front
 REFUSED = {
@@ -39,7 +39,7 @@ HIDDEN = {
 def mlx_server_parser() -> argparse.ArgumentParser:
     """mlx-lm's server parser (a test checks the flags we rely on), answering
     as `veloxpatch serve`."""
-    from .mlx_lm_internals import server_parser
+    from ..mlx_lm_internals import server_parser
 
     parser = server_parser()
     parser.prog = "veloxpatch serve"
@@ -90,14 +90,21 @@ class ServeCommand(click.Command):
 @click.option("--algo", default="full", show_default=True)
 @click.option("--budget", type=int, default=None, help="KV rows kept per head")
 @click.option(
+    "--max-kv-bytes",
+    default=None,
+    metavar="SIZE",
+    help="instead of --budget: KV bytes each sequence holds, e.g. 48MB (the "
+    "budget follows), as in generate",
+)
+@click.option(
     "--algo-arg",
     "algo_args",
     multiple=True,
     metavar="KEY=VALUE",
-    help="algorithm option, repeatable (per-sequence byte budget: max_kv_bytes=48MB)",
+    help="algorithm option, repeatable",
 )
 @click.option(
-    "--max-kv-bytes",
+    "--kv-cap",
     default=None,
     metavar="SIZE",
     help="cap on the KV bytes of all requests in flight plus the prompt cache, "
@@ -117,7 +124,15 @@ class ServeCommand(click.Command):
 @click.pass_context
 @user_errors
 def serve(
-    ctx, model, algo, budget, algo_args, max_kv_bytes, quantized, compress_system_prompt
+    ctx,
+    model,
+    algo,
+    budget,
+    max_kv_bytes,
+    algo_args,
+    kv_cap,
+    quantized,
+    compress_system_prompt,
 ):
     """Serve a patched model with mlx-lm's OpenAI-compatible server.
 
@@ -127,17 +142,27 @@ def serve(
     """
     import logging
 
-    from .api import make_options
-    from .caches.kv_budget import parse_size
+    from ..api import make_options
+    from ..caches.kv_budget import parse_size
+    from ..errors import OptionError
 
-    options = algo_options(budget, algo_args)
-    cache_cls, _ = make_options(algo, options)  # fail before the slow load
+    options = algo_options(budget, algo_args, max_kv_bytes)
+    try:
+        cache_cls, _ = make_options(algo, options)  # fail before the slow load
+    except OptionError as e:
+        if max_kv_bytes is None:
+            raise
+        # the flag named the server's cap here before it got its own name
+        raise UserError(
+            f"{e} (--max-kv-bytes is the per-sequence budget, as in generate; "
+            "the server's cap is --kv-cap)"
+        ) from None
     if compress_system_prompt and not cache_cls.wants_token_ids:
         raise UserError(
             f"--compress-system-prompt: {algo} has no question-agnostic pass to "
             "compress a system prompt alone; use --algo kvzip"
         )
-    cap = parse_size(max_kv_bytes) if max_kv_bytes is not None else None
+    cap = parse_size(kv_cap, "--kv-cap") if kv_cap is not None else None
     cli_args = parse_mlx_flags(list(ctx.args))
     cli_args.model = model
 
@@ -145,14 +170,14 @@ def serve(
         level=getattr(logging, cli_args.log_level.upper()),
         format="%(asctime)s - %(levelname)s - %(message)s",
     )
-    from .serve.server import run
+    from ..serve.server import run
 
     run(
         cli_args,
         model,
         algo,
         options,
-        max_kv_bytes=cap,
+        kv_cap=cap,
         quantized=quantized,
         compress_system=compress_system_prompt,
     )

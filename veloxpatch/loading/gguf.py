@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
-from .errors import FileFormatError, VeloxpatchError
+from ..errors import FileFormatError, VeloxpatchError
 from .fileformat import check_gguf
 
 CONVERT_HINT = (

@@ -6,10 +6,11 @@ process (SIGSEGV; SIGFPE for alignment 0 or the removed Q4_2/Q4_3 types).
 ``check_gguf`` walks the header with every count, length, dimension and offset
 checked against the bytes there, then refuses what mlx 0.32 cannot read or
 crashes on (float64 metadata, which it misreads; nested arrays; tensor types
-it has no reader for). ``check_safetensors`` checks the 8-byte header length,
-the JSON header and every tensor's offsets. Both read only the header and raise
-``error`` (FileFormatError unless the caller passes its own VeloxpatchError
-subclass) with one line that names the file.
+it has no reader for). ``check_safetensors`` (``safetensors_header``) checks
+the 8-byte header length, the JSON header and every tensor's offsets. Both open
+files with ``mapped`` (here), read only the header and raise ``error``
+(FileFormatError unless the caller passes its own VeloxpatchError subclass)
+with one line that names the file.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import struct
 from typing import NamedTuple
 
-from .errors import FileFormatError
+from ..errors import FileFormatError
 
 # ---- GGUF -------------------------------------------------------------------------
 # Metadata value types: fixed sizes; 8 = string, 9 = array, 12 = float64.
@@ -203,7 +204,7 @@ def _check_tensor(w, name, dims, ttype, offset, alignment, data_offset, limits):
         )
 
 
-def _mapped(path, error, kind):
+def mapped(path, error, kind):
     """(file object, read-only map or b"" for an empty file) of `path`."""
     try:
         f = open(path, "rb")
@@ -222,7 +223,7 @@ def _mapped(path, error, kind):
 def check_gguf(path, error=FileFormatError) -> GGUFInfo:
     """Walk the header of the GGUF file `path`; raise `error` unless every
     count, length and offset fits the file and mlx can read what it describes."""
-    f, buf = _mapped(path, error, "GGUF")
+    f, buf = mapped(path, error, "GGUF")
     with f:
         try:
             return _walk_gguf(_Walker(buf, os.fspath(path), error))

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .cli_checks import (
+from .checks import (
     Count,
     Counts,
     NonEmpty,
@@ -23,9 +23,9 @@ from .cli_checks import (
 def _arms(text: str, budgets: list[int], memory: list[str] = ()):
     """The arms `--arms` and `--budgets` (or `--memory`) name: at least one,
     none twice, and every budget or size used by some arm."""
-    from .api import algorithm
-    from .caches.kv_budget import parse_size
-    from .eval.arms import expand, is_peer, split_arms
+    from ..api import algorithm
+    from ..caches.kv_budget import parse_size
+    from ..eval.arms import expand, is_peer, split_arms
 
     texts = split_arms(text)
     if not texts:
@@ -65,8 +65,8 @@ def _config() -> dict:
 
 def _check_arms(arms):
     """Validate every arm before anything runs; return (runnable, skipped)."""
-    from .api import make_options
-    from .eval.arms import is_peer
+    from ..api import make_options
+    from ..eval.arms import is_peer
 
     runnable, skipped = [], []
     for arm in arms:
@@ -74,7 +74,7 @@ def _check_arms(arms):
             make_options(arm.algo, arm.options)  # unknown names raise here
             runnable.append(arm)
             continue
-        from .eval import peers
+        from ..eval import peers
 
         reason = peers.check(arm.algo, dict(arm.options))  # raises when invalid
         if reason is None:
@@ -200,11 +200,11 @@ def _with(options):
 @user_errors
 def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_options):
     """Passkey accuracy, perplexity and agreement with full, per arm."""
-    from . import models
-    from .eval import harness
-    from .eval.arms import Arm
-    from .eval.runinfo import run_info, write_results
-    from .eval.tasks import TASKS
+    from ..eval import harness
+    from ..eval.arms import Arm
+    from ..eval.runinfo import run_info, write_results
+    from ..eval.tasks import TASKS
+    from ..loading import models
 
     # each task takes the options it reads (its fields) and checks them now
     task_list = harness.make_tasks(harness.parse_tasks(tasks), task_options)
@@ -222,7 +222,7 @@ def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_opt
     arm_list, skipped = _check_arms(arm_list)
     refuse_existing(force, out=out, plot=plot_path)
     if plot_path:
-        from .eval.plot import check_path
+        from ..eval.plot import check_path
 
         check_path(plot_path)  # matplotlib missing or the format unknown: now
     for s in skipped:
@@ -238,7 +238,7 @@ def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_opt
     write_results(out, results)
     click.echo(harness.format_tables(results, task_list))
     if plot_path:
-        from .eval.plot import plot
+        from ..eval.plot import plot
 
         plot(results, plot_path)
         click.echo(f"plot: {plot_path}")
@@ -267,9 +267,9 @@ def bench(
 
     Peaks are mlx's, above the memory in use before the prompt (the weights),
     during the prefill (chunks of --prefill-step-size) and the decode apart."""
-    from . import models
-    from .eval import bench as bench_mod
-    from .eval.runinfo import run_info, write_results
+    from ..eval import bench as bench_mod
+    from ..eval.runinfo import run_info, write_results
+    from ..loading import models
 
     arm_list, skipped = _check_arms(_arms(arms, budgets))
     refuse_existing(force, out=out)
