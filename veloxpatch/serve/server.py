@@ -265,6 +265,37 @@ class Handler(APIHandler):
             raise BadRequest("chat_template_kwargs: the chat template gave no tokens")
         return len(prompt)
 
+    def generate_response(self, text, finish_reason, *args, **kwargs):
+        response = super().generate_response(text, finish_reason, *args, **kwargs)
+        response["model"] = self.state.provider.served_name()  # not "default_model"
+        tokens = kwargs.get("tokens")
+        if tokens and self.logprobs and kwargs.get("token_logprobs"):
+            response["choices"][0]["logprobs"] = {
+                "content": self._logprobs(
+                    tokens, kwargs.get("token_logprobs"), kwargs.get("top_tokens")
+                )
+            }
+        return response
+
+    def _logprobs(self, tokens, token_logprobs, top_tokens) -> list[dict]:
+        """OpenAI's logprobs content: each chosen token with its logprob and its
+        alternatives by descending logprob. mlx-lm 0.32.2 reports the first of
+        an unsorted top-k (argpartition) as the chosen token."""
+        pieces = self.state.provider.tokenizer.convert_ids_to_tokens(list(tokens))
+        content = []
+        for k, (token, piece) in enumerate(zip(tokens, pieces)):
+            entry = {"id": token, "token": piece, "logprob": token_logprobs[k]}
+            if top_tokens:
+                top = sorted(top_tokens[k], key=lambda t: (-t["logprob"], t["id"]))
+                entry["top_logprobs"] = top
+            content.append(entry)
+        return content
+
+    def completion_usage_response(self, *args, **kwargs):
+        response = super().completion_usage_response(*args, **kwargs)
+        response["model"] = self.state.provider.served_name()
+        return response
+
     def handle_models_request(self):
         # mlx-lm lists every model in the Hugging Face cache; only one is served
         self._set_completion_headers(200)
@@ -382,7 +413,7 @@ def run(
         estimate=KVEstimate(provider.patch),
         ledger=KVLedger(kv_cap, prompt_cache),
         tokenizer_lock=threading.Lock(),
-        limits=model_limits(provider.model),
+        limits=model_limits(provider.model, provider.tokenizer),
     )
     state.generator = Generator(provider, prompt_cache)
     state.generator.compress_system = compress_system
