@@ -111,6 +111,22 @@ class ServeCommand(click.Command):
     "e.g. 2GB (over it: prompt-cache entries are evicted, then requests get 503)",
 )
 @click.option(
+    "--max-requests",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="requests in flight (queued or generating) at once; more get 503 "
+    "with Retry-After",
+)
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="a request whose headers or body do not arrive in time gets 408",
+)
+@click.option(
     "--quantized/--dequantized",
     default=None,
     help="keep quantized weights (default: dequantize on the CPU)",
@@ -131,6 +147,8 @@ def serve(
     max_kv_bytes,
     algo_args,
     kv_cap,
+    max_requests,
+    read_timeout,
     quantized,
     compress_system_prompt,
 ):
@@ -180,4 +198,6 @@ def serve(
         kv_cap=cap,
         quantized=quantized,
         compress_system=compress_system_prompt,
+        read_timeout=read_timeout,
+        max_requests=max_requests,
     )
