@@ -149,3 +149,19 @@ def test_past_max_requests_a_request_gets_503_with_retry_after():
         assert r.status == 503 and r.getheader("Retry-After") == "1"
         assert "--max-requests 1" in body["error"]
     long.join()
+
+
+@smollm
+def test_without_kv_cap_the_cap_is_a_quarter_of_memory_and_logged(server):
+    import os
+    import re
+
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    line = re.search(
+        r"KV cap ([\d,]+) bytes, a quarter of this machine's "
+        r"([\d,]+) bytes",
+        server.log.read_text(),
+    )
+    assert line, server.log.read_text()[-2000:]
+    cap, logged = (int(g.replace(",", "")) for g in line.groups())
+    assert (cap, logged) == (memory // 4, memory)

@@ -481,6 +481,7 @@ def run(
     options,
     *,
     kv_cap=None,
+    kv_cap_note=None,
     quantized=None,
     compress_system=False,
     read_timeout=30.0,
@@ -509,7 +510,7 @@ def run(
         provider.served_name(),
         algo,
         provider.patch.options,
-        "none" if kv_cap is None else f"{kv_cap:,} bytes",
+        kv_cap_note or ("none" if kv_cap is None else f"{kv_cap:,} bytes"),
     )
     log.info(
         "connections: backlog %d, a thread each; requests in flight at most %s "
