@@ -183,6 +183,8 @@ BEFORE_LOAD = [
         "serve --algo snapkv --max-kv-bytes 1MB --algo-arg max_kv_bytes=2MB",
         "max_kv_bytes given twice",
     ),
+    ("serve --read-timeout 0", "--read-timeout"),
+    ("serve --max-requests 0", "--max-requests"),
     ("serve --kv-bits 4", "--kv-bits: mlx-lm's --kv-bits swaps in"),
     ("serve --draft-model m", "speculative decoding is not supported"),
     ("serve --kv-bit 4", "unrecognized arguments: --kv-bit 4"),  # no abbreviations

@@ -13,6 +13,7 @@ never fits.
 
 import concurrent.futures
 import json
+import os
 import urllib.error
 import urllib.request
 
@@ -186,7 +187,13 @@ def test_max_kv_bytes_is_the_per_sequence_budget_and_kv_cap_the_server_cap(
     assert seen["kv_cap"] == 2_000_000_000
     res = CliRunner().invoke(main, ["serve", "--algo", "snapkv", "--budget", "64"])
     assert res.exit_code == 0, res.output
-    assert seen["options"] == {"budget": 64} and seen["kv_cap"] is None
+    # no --kv-cap: a quarter of the machine's memory; "none": no cap
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert seen["options"] == {"budget": 64} and seen["kv_cap"] == memory // 4
+    assert "a quarter of this machine's" in seen["kv_cap_note"]
+    res = CliRunner().invoke(main, ["serve", "--kv-cap", "none"])
+    assert res.exit_code == 0, res.output
+    assert seen["kv_cap"] is None
 
 
 @smollm

@@ -113,6 +113,25 @@ def test_messages_of_the_wrong_shape_are_400(server, messages, says):
         ({"presence_penalty": 3}, "presence_penalty must be"),
         ({"seed": -1}, "seed must be"),
         ({"top_logprobs": 50}, "top_logprobs must be"),
+        # fields mlx-lm takes and ignores: refused, never a 200 that ignores them
+        ({"temperature": 1e308}, "temperature must be a finite number in [0, 2]"),
+        ({"temperature": 2.5}, "temperature must be a finite number in [0, 2]"),
+        ({"repetition_penalty": 50}, "repetition_penalty must be"),
+        ({"logit_bias": {"5": 1000}}, "logit_bias[5] must be in [-100, 100]"),
+        ({"response_format": {"type": "json_object"}}, "response_format: only"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools: this model's tokenizer has no tool-call format",
+        ),
+        ({"tool_choice": "required"}, 'tool_choice: only "auto" is served'),
+        ({"functions": [{"name": "f"}]}, "functions: legacy function calling"),
+        ({"stop": [str(i) for i in range(10)]}, "stop: at most 4 strings, got 10"),
+        ({"logprobs": True, "stream": True}, "logprobs: not served on streams"),
+        ({"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
+        (
+            {"messages": [*USER, {"role": "tool", "content": "42"}]},
+            "messages[1].tool_call_id: a tool message must name the call",
+        ),
         # a lone surrogate is valid JSON; as a stop word it once stopped the
         # generation thread for every later request
         ({"stop": ["\ud800"]}, '"stop" holds "\\ud800", a lone surrogate'),
@@ -123,6 +142,60 @@ def test_other_bad_fields_are_400_naming_the_field(server, extra, says):
     body = {"messages": USER, "max_tokens": 2, **extra}
     assert says in error_of(*server.post(body))
     still_serving(server)
+
+
+@smollm
+def test_logprobs_are_the_chosen_tokens_and_sorted_alternatives(server, loaded):
+    # a direct forward pass of the same model (float32 on the CPU, as served)
+    import mlx.core as mx
+
+    model, tokenizer = loaded
+    prompt = "The capital of France is"
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+    status, text = server.post(
+        {**body, "logprobs": True, "top_logprobs": 5}, path="/v1/completions"
+    )
+    assert status == 200, text
+    reply = json.loads(text)
+    content = reply["choices"][0]["logprobs"]["content"]
+    ids = tokenizer.encode(prompt)
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    chosen = [c["id"] for c in content]
+    logits = model(mx.array([ids + chosen])).astype(mx.float32)[0]
+    direct = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
+    for k, entry in enumerate(content):
+        row = direct[len(ids) - 1 + k]
+        best = sorted(range(len(row)), key=lambda i: -row[i])[:5]
+        assert entry["id"] == best[0]  # temperature 0: the most likely token
+        assert entry["logprob"] == pytest.approx(row[entry["id"]], abs=1e-3)
+        top = entry["top_logprobs"]
+        assert [t["id"] for t in top] == best
+        for t in top:
+            assert t["logprob"] == pytest.approx(row[t["id"]], abs=1e-3)
+    # logprobs without alternatives: the chosen tokens, the same values
+    status, text = server.post({**body, "logprobs": True}, path="/v1/completions")
+    plain = json.loads(text)["choices"][0]["logprobs"]["content"]
+    assert [c["id"] for c in plain] == chosen
+    assert "top_logprobs" not in plain[0]
+
+
+@smollm
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_name_the_served_model_not_default_model(server, stream):
+    with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as r:
+        served = json.loads(r.read())["data"][0]["id"]
+    body = {"messages": USER, "max_tokens": 2, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    status, text = server.post(body)
+    assert status == 200, text
+    if stream:
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        replies = [json.loads(e) for e in events if e != "[DONE]"]
+        assert replies[-1]["usage"]["completion_tokens"] >= 1  # the usage event
+    else:
+        replies = [json.loads(text)]
+    assert {r["model"] for r in replies} == {served} != {"default_model"}
 
 
 @smollm

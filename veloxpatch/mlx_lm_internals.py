@@ -426,6 +426,38 @@ INTERNALS = (
         signature="(self, status_code)",
     ),
     Internal(
+        "mlx_lm.server:APIHandler.generate_response",
+        "builds every answer (model from requested_model; logprobs from the "
+        "tokens, token_logprobs and top_tokens keywords); ours names the served "
+        "model and rebuilds logprobs, the chosen token first and sorted "
+        "alternatives (serve/server.py)",
+        source_sha256=(
+            "81c7a8831076b3003ee668904cfe86074d40eb4a84b9e921bac31135f5edeed1"
+        ),
+        signature="(self, text, finish_reason, prompt_token_count, "
+        "completion_token_count, prompt_cache_count, token_logprobs, top_tokens, "
+        "tokens, tool_calls, reasoning_text)",
+    ),
+    Internal(
+        "mlx_lm.server:APIHandler.completion_usage_response",
+        "a stream's usage event, its model from requested_model (ours names the "
+        "served model: serve/server.py)",
+        source_sha256=(
+            "177eb813b4f5e86584dc9ad4cacd4a28d8ade969ea5edb84972bb30ae3b1b2a4"
+        ),
+        signature="(self, prompt_token_count, completion_token_count, "
+        "prompt_cache_count)",
+    ),
+    Internal(
+        "mlx_lm.server:_format_top_logprobs",
+        "a token's top alternatives as {id, token, logprob}, unsorted "
+        "(argpartition); ours sorts them (serve/server.py)",
+        source_sha256=(
+            "a0da67772d363f96694f6020893def4a4e4528043f81dcb95436624eb7b205c5"
+        ),
+        signature="(logprobs, top_n, tokenizer)",
+    ),
+    Internal(
         "mlx_lm.server:APIHandler.do_GET",
         "/v1/models goes to handle_models_request (ours lists the one model "
         "served: serve/server.py)",

@@ -9,6 +9,7 @@ checked before the model loads.
 from __future__ import annotations
 
 import argparse
+import os
 
 import click
 
@@ -74,6 +75,17 @@ def parse_mlx_flags(extra: list[str]) -> argparse.Namespace:
     return mlx_server_parser().parse_args(extra)
 
 
+def default_kv_cap() -> tuple[int | None, int | None]:
+    """(the default --kv-cap, the machine's memory): a quarter of it, the rest
+    left to the weights, mlx's buffers and everything else; (None, None) where
+    the memory cannot be read."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None, None
+    return (memory // 4, memory) if memory > 0 else (None, None)
+
+
 class ServeCommand(click.Command):
     def format_help(self, ctx, formatter):
         super().format_help(ctx, formatter)
@@ -108,7 +120,24 @@ class ServeCommand(click.Command):
     default=None,
     metavar="SIZE",
     help="cap on the KV bytes of all requests in flight plus the prompt cache, "
-    "e.g. 2GB (over it: prompt-cache entries are evicted, then requests get 503)",
+    "e.g. 2GB (over it: prompt-cache entries are evicted, then requests get 503); "
+    "default: a quarter of this machine's memory; 'none': no cap",
+)
+@click.option(
+    "--max-requests",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="requests in flight (queued or generating) at once; more get 503 "
+    "with Retry-After",
+)
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="a request whose headers or body do not arrive in time gets 408",
 )
 @click.option(
     "--quantized/--dequantized",
@@ -131,6 +160,8 @@ def serve(
     max_kv_bytes,
     algo_args,
     kv_cap,
+    max_requests,
+    read_timeout,
     quantized,
     compress_system_prompt,
 ):
@@ -162,7 +193,19 @@ def serve(
             f"--compress-system-prompt: {algo} has no question-agnostic pass to "
             "compress a system prompt alone; use --algo kvzip"
         )
-    cap = parse_size(kv_cap, "--kv-cap") if kv_cap is not None else None
+    if kv_cap is None:
+        cap, memory = default_kv_cap()
+        cap_note = (
+            "no cap (this machine's memory is unknown)"
+            if cap is None
+            else f"{cap:,} bytes, a quarter of this machine's {memory:,} bytes "
+            "of memory (--kv-cap to change, --kv-cap none for no cap)"
+        )
+    elif kv_cap.strip().lower() == "none":
+        cap, cap_note = None, "none (--kv-cap none)"
+    else:
+        cap = parse_size(kv_cap, "--kv-cap")
+        cap_note = f"{cap:,} bytes (--kv-cap)"
     cli_args = parse_mlx_flags(list(ctx.args))
     cli_args.model = model
 
@@ -178,6 +221,9 @@ def serve(
         algo,
         options,
         kv_cap=cap,
+        kv_cap_note=cap_note,
         quantized=quantized,
         compress_system=compress_system_prompt,
+        read_timeout=read_timeout,
+        max_requests=max_requests,
     )

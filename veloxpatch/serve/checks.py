@@ -31,10 +31,24 @@ class Limits(NamedTuple):
 
     vocab: int | None  # width of the logits (the tokenizer's vocab may differ)
     context: int | None  # tokens of context the model was trained for
+    tool_calling: bool = False  # the tokenizer parses tool calls (mlx-lm's test)
 
 
-def model_limits(model) -> Limits:
-    return Limits(_output_rows(model), _model_arg(model, "max_position_embeddings"))
+# OpenAI's bounds: past them a value only makes noise (temperature 1e308) or is
+# ignored by mlx-lm without a word (a fifth stop string is honoured, but
+# clients written for OpenAI never send one, so more is a mistake)
+MAX_TEMPERATURE = 2
+MAX_STOP = 4
+MAX_LOGIT_BIAS = 100
+MAX_REPETITION_PENALTY = 2  # mlx-lm divides (or multiplies) logits by it
+
+
+def model_limits(model, tokenizer=None) -> Limits:
+    return Limits(
+        _output_rows(model),
+        _model_arg(model, "max_position_embeddings"),
+        bool(getattr(tokenizer, "has_tool_calling", False)),
+    )
 
 
 def _output_rows(model) -> int | None:
@@ -124,16 +138,54 @@ def check_body(body: dict, path: str, limits: Limits) -> None:
             raise BadRequest(f"prompt must be a non-empty string, got {shown(prompt)}")
     _sampling(body, limits)
     _output(body, limits)
+    _unserved(body, path, limits)
     _string(body, "model")
     for name in ("draft_model", "adapters"):
         _string(body, name, nullable=True)
     for name in ("chat_template_kwargs", "role_mapping"):
         _object(body, name)
+
+
+def _unserved(body, path: str, limits: Limits) -> None:
+    """Fields mlx-lm would take and quietly ignore: refused, so that a client
+    never reads an answer as honouring them."""
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest(
+            f'response_format: only {{"type": "text"}} is served (no JSON '
+            f"mode or schema), got {shown(fmt)}"
+        )
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise BadRequest(
+                f"{name}: legacy function calling is not served; use tools"
+            )
     tools = body.get("tools")
     if tools is not None and not (
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
     ):
         raise BadRequest(f"tools must be a list of objects, got {shown(tools)}")
+    if tools and (path not in CHAT_PATHS or not limits.tool_calling):
+        raise BadRequest(
+            "tools: this model's tokenizer has no tool-call format, so the tools "
+            "would be ignored"
+            if path in CHAT_PATHS
+            else "tools: only chat completions take tools"
+        )
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto") and not (choice == "none" and not tools):
+        raise BadRequest(
+            'tool_choice: only "auto" is served (the model chooses), got '
+            + shown(choice)
+        )
+    if body.get("echo") not in (None, False):
+        raise BadRequest(f"echo: the prompt is not echoed, got {shown(body['echo'])}")
+    if body.get("best_of") not in (None, 1):
+        raise BadRequest(f"best_of must be 1, got {shown(body['best_of'])}")
+    if body.get("suffix") not in (None, ""):
+        raise BadRequest(
+            f"suffix: insertion is not served, got {shown(body['suffix'])}"
+        )
 
 
 def _text(value, where: str) -> None:
@@ -158,7 +210,7 @@ def _text(value, where: str) -> None:
 
 
 def _sampling(body, limits: Limits) -> None:
-    _number(body, "temperature", 0)
+    _number(body, "temperature", 0, MAX_TEMPERATURE)
     _number(body, "top_p", 0, 1, lo_open=True)
     vocab = limits.vocab
     _number(
@@ -170,7 +222,9 @@ def _sampling(body, limits: Limits) -> None:
         note=" (0: off)",
     )
     _number(body, "min_p", 0, 1)
-    _number(body, "repetition_penalty", 0, note=" (0 or 1: off)")
+    _number(
+        body, "repetition_penalty", 0, MAX_REPETITION_PENALTY, note=" (0 or 1: off)"
+    )
     for name in ("presence_penalty", "frequency_penalty"):
         _number(body, name, -2, 2)
     context = limits.context or INT32_MAX
@@ -204,6 +258,11 @@ def _logit_bias(bias, vocab: int | None) -> None:
             raise BadRequest(
                 f"logit_bias[{key}] must be a finite number, got {shown(value)}"
             )
+        if abs(value) > MAX_LOGIT_BIAS:
+            raise BadRequest(
+                f"logit_bias[{key}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                f"got {shown(value)}"
+            )
 
 
 def _output(body, limits: Limits) -> None:
@@ -231,6 +290,11 @@ def _output(body, limits: Limits) -> None:
     top = body.get("top_logprobs")
     if "top_logprobs" in body and top != -1:  # -1: mlx-lm's "off"
         _number(body, "top_logprobs", 0, 11, integer=True)
+        if top > 0 and body.get("logprobs") is not True:
+            raise BadRequest("top_logprobs needs logprobs: true")
+    if body.get("stream") and (body.get("logprobs") or (top or 0) > 0):
+        # mlx-lm's stream events carry no logprobs
+        raise BadRequest("logprobs: not served on streams (send stream: false)")
     stop = body.get("stop")
     if stop is not None:
         words = [stop] if isinstance(stop, str) else stop
@@ -240,6 +304,8 @@ def _output(body, limits: Limits) -> None:
             )
         if any(not w for w in words):
             raise BadRequest("stop strings must not be empty")
+        if len(words) > MAX_STOP:
+            raise BadRequest(f"stop: at most {MAX_STOP} strings, got {len(words)}")
 
 
 def _messages(body) -> None:
@@ -260,6 +326,13 @@ def _messages(body) -> None:
                 f"{where}.role must be a string, got {shown(message.get('role'))}"
             )
         _content(message.get("content"), f"{where}.content")
+        if message["role"] == "tool" and not isinstance(
+            message.get("tool_call_id"), str
+        ):
+            raise BadRequest(
+                f"{where}.tool_call_id: a tool message must name the call it "
+                f"answers, got {shown(message.get('tool_call_id'))}"
+            )
         calls = message.get("tool_calls")
         if calls is not None and not (
             isinstance(calls, list) and all(isinstance(c, dict) for c in calls)

@@ -99,8 +99,14 @@ class KVEstimate:
 class KVLedger:
     """Reservations of the requests in flight, and the cap (None: no cap)."""
 
-    def __init__(self, cap: int | None, prompt_cache: BoundedPromptCache):
+    def __init__(
+        self,
+        cap: int | None,
+        prompt_cache: BoundedPromptCache,
+        max_requests: int | None = None,
+    ):
         self.cap = cap
+        self.max_requests = max_requests  # in flight at once (None: no bound)
         self.prompt_cache = prompt_cache
         self.reserved = 0
         self.in_flight = 0
@@ -111,6 +117,12 @@ class KVLedger:
         """Reserve `need` bytes (evicting prompt-cache entries if that makes
         room) or raise Refused."""
         with self._lock:
+            if self.max_requests is not None and self.in_flight >= self.max_requests:
+                raise Refused(
+                    503,
+                    f"server busy: {self.in_flight} requests in flight, the "
+                    f"server's --max-requests {self.max_requests}; retry later",
+                )
             if self.cap is not None:
                 if need > self.cap:
                     raise Refused(

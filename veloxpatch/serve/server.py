@@ -14,11 +14,15 @@
 from __future__ import annotations
 
 import copy
+import http.client
+import io
 import json
 import logging
 import os
 import sys
 import threading
+import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -125,10 +129,26 @@ def unknown_model(name, provider) -> str:
     )
 
 
+BACKLOG = 1024  # listen queue: the kernel caps it (Linux: net.core.somaxconn)
+MAX_BODY_BYTES = 64 << 20  # far past any context's text; mlx-lm reads it whole
+
+
+class HTTPServer(ThreadingHTTPServer):
+    """mlx-lm's server class (a thread per connection) with a listen backlog
+    for bursts: socketserver's default of 5 resets (macOS) or stalls (Linux)
+    the connections past it."""
+
+    request_queue_size = BACKLOG
+    daemon_threads = True
+
+
 class Handler(APIHandler):
-    """mlx-lm's request handler, with `state` (a ServeState) set on a subclass."""
+    """mlx-lm's request handler, with `state` (a ServeState) set on a subclass.
+    `timeout` (seconds, set with `state`) bounds each read of the request
+    line and headers, and the whole body."""
 
     state = None
+    timeout = 30.0
 
     def _send_error(self, status: int, message: str) -> None:
         self._set_completion_headers(status)
@@ -137,19 +157,83 @@ class Handler(APIHandler):
         self.end_headers()
         self.wfile.write(json.dumps({"error": message}).encode())
 
+    def parse_request(self):
+        # the headers are read here: a client that stops sending them gets a
+        # 408 (BaseHTTPRequestHandler would close without a word)
+        try:
+            return super().parse_request()
+        except TimeoutError:
+            self.close_connection = True
+            self.headers = http.client.HTTPMessage()  # mlx-lm's CORS reads them
+            log.warning("refused (408): the request headers stopped arriving")
+            self._send_error(
+                408, f"the request headers did not arrive within {self.timeout:g} s"
+            )
+            return False
+
     def do_POST(self):
         # mlx-lm reads -1 as "until the client closes" and decodes the body
         # outside its error handling: both left the client with no answer
         length = self.headers.get("Content-Length")
         if length is not None and length.strip().lstrip("-").isdigit():
-            if int(length) < 0:
+            length = int(length)
+            if length < 0:
                 self._send_error(400, "Content-Length must not be negative")
                 return
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                self._send_error(
+                    413,
+                    f"the request body ({length:,} bytes) is larger than "
+                    f"{MAX_BODY_BYTES:,} bytes",
+                )
+                return
+            # read here, within the timeout: mlx-lm's read waits for as long
+            # as a client that declared more than it sends keeps the socket
+            body = self._read_body(length)
+            if body is None:
+                return
+            sock_file, self.rfile = self.rfile, io.BytesIO(body)
+        else:
+            sock_file = None  # mlx-lm answers 411 or 400 without reading
         try:
             super().do_POST()
         except UnicodeDecodeError:
             self._headers_buffer = []
             self._send_error(400, "the request body is not UTF-8 text")
+        finally:
+            if sock_file is not None:
+                self.rfile = sock_file
+
+    def _read_body(self, length: int) -> bytes | None:
+        """The body's `length` bytes read within `timeout` seconds in all, or
+        None once a 408 is sent. A client that closes early gives a short body
+        (mlx-lm then answers 400: the JSON is cut)."""
+        deadline = time.monotonic() + self.timeout
+        chunks, got = [], 0
+        try:
+            while got < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                chunk = self.rfile.read1(min(length - got, 1 << 16))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+        except TimeoutError:
+            self.close_connection = True
+            message = (
+                f"the request body did not arrive: {got:,} of the {length:,} "
+                f"bytes its Content-Length declares in {self.timeout:g} s"
+            )
+            log.warning("refused (408): %s", message)
+            self._send_error(408, message)
+            return None
+        finally:
+            self.connection.settimeout(self.timeout)
+        return b"".join(chunks)
 
     def validate_model_parameters(self):
         # do_POST calls this for both endpoints with the parsed body, and
@@ -211,7 +295,8 @@ class Handler(APIHandler):
                 super().handle_completion(request, stop_words)
             except Cut as e:
                 cut = e
-            except (BrokenPipeError, ConnectionResetError):  # a stream's write
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                # a stream's write, to a client gone or not reading
                 cut = Cut(CLIENT_GONE, w.tokens)
             except Exception as e:  # raised by the generation: answer, not hang up
                 log.exception("request failed during generation")
@@ -264,6 +349,37 @@ class Handler(APIHandler):
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise BadRequest("chat_template_kwargs: the chat template gave no tokens")
         return len(prompt)
+
+    def generate_response(self, text, finish_reason, *args, **kwargs):
+        response = super().generate_response(text, finish_reason, *args, **kwargs)
+        response["model"] = self.state.provider.served_name()  # not "default_model"
+        tokens = kwargs.get("tokens")
+        if tokens and self.logprobs and kwargs.get("token_logprobs"):
+            response["choices"][0]["logprobs"] = {
+                "content": self._logprobs(
+                    tokens, kwargs.get("token_logprobs"), kwargs.get("top_tokens")
+                )
+            }
+        return response
+
+    def _logprobs(self, tokens, token_logprobs, top_tokens) -> list[dict]:
+        """OpenAI's logprobs content: each chosen token with its logprob and its
+        alternatives by descending logprob. mlx-lm 0.32.2 reports the first of
+        an unsorted top-k (argpartition) as the chosen token."""
+        pieces = self.state.provider.tokenizer.convert_ids_to_tokens(list(tokens))
+        content = []
+        for k, (token, piece) in enumerate(zip(tokens, pieces)):
+            entry = {"id": token, "token": piece, "logprob": token_logprobs[k]}
+            if top_tokens:
+                top = sorted(top_tokens[k], key=lambda t: (-t["logprob"], t["id"]))
+                entry["top_logprobs"] = top
+            content.append(entry)
+        return content
+
+    def completion_usage_response(self, *args, **kwargs):
+        response = super().completion_usage_response(*args, **kwargs)
+        response["model"] = self.state.provider.served_name()
+        return response
 
     def handle_models_request(self):
         # mlx-lm lists every model in the Hugging Face cache; only one is served
@@ -365,8 +481,11 @@ def run(
     options,
     *,
     kv_cap=None,
+    kv_cap_note=None,
     quantized=None,
     compress_system=False,
+    read_timeout=30.0,
+    max_requests=None,
 ):
     """Load and patch the model (errors stop here, before serving), then serve
     until interrupted."""
@@ -380,9 +499,9 @@ def run(
         provider=provider,
         prompt_cache=prompt_cache,
         estimate=KVEstimate(provider.patch),
-        ledger=KVLedger(kv_cap, prompt_cache),
+        ledger=KVLedger(kv_cap, prompt_cache, max_requests),
         tokenizer_lock=threading.Lock(),
-        limits=model_limits(provider.model),
+        limits=model_limits(provider.model, provider.tokenizer),
     )
     state.generator = Generator(provider, prompt_cache)
     state.generator.compress_system = compress_system
@@ -391,12 +510,23 @@ def run(
         provider.served_name(),
         algo,
         provider.patch.options,
-        "none" if kv_cap is None else f"{kv_cap:,} bytes",
+        kv_cap_note or ("none" if kv_cap is None else f"{kv_cap:,} bytes"),
     )
-    handler = type("Handler", (Handler,), {"state": state})
+    log.info(
+        "connections: backlog %d, a thread each; requests in flight at most %s "
+        "(then 503); reads time out after %g s (408)",
+        BACKLOG,
+        "unbounded" if max_requests is None else max_requests,
+        read_timeout,
+    )
+    handler = type("Handler", (Handler,), {"state": state, "timeout": read_timeout})
     stop_on_signals()
     run_http_server(
-        cli_args.host, cli_args.port, state.generator, handler_class=handler
+        cli_args.host,
+        cli_args.port,
+        state.generator,
+        server_class=HTTPServer,
+        handler_class=handler,
     )
     # a signal stopped it: requests are answered. Exit without the interpreter's
     # teardown: a generation step still running would hold it (its thread is
