@@ -58,7 +58,7 @@ BEFORE_LOAD = [
         "module mlx_lm.models.llama has no class Nope",
     ),
     ("adapter-check", "Missing argument 'MODULE.CLASS'"),
-    ("calibrate", "Missing option '--out'"),
+    ("calibrate --force", "--force is for --out (the cache's file is replaced)"),
     (f"{CAL} --text /missing.txt", "'/missing.txt' is not a file"),
     (f"{CAL} --text adir", "'adir' is a directory"),
     (
