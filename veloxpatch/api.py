@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache
 from . import mlx_flags, mlx_lm_internals, patcher
 from .caches import ALGORITHMS, VeloxCache
 from .caches.io import register_with_mlx_lm
+from .caches.options import files_of
 from .caches.phase import PromptPhase
 from .errors import OptionError, PatchStateError, UnsupportedModelError
 
@@ -118,6 +119,7 @@ class Patch:
     def _for_budget(self, max_kv_size: int):
         if max_kv_size not in self._by_budget:
             opts = mlx_flags.budget_options(self.cache_cls, self.requested, max_kv_size)
+            opts = files_of(self.options) | opts  # the files already found
             cls, bound = make_options(self.cache_cls, opts, self.model)
             self._by_budget[max_kv_size] = (cls.for_options(bound), bound)
         return self._by_budget[max_kv_size]

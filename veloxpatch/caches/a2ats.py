@@ -25,7 +25,7 @@ import math
 
 import mlx.core as mx
 
-from ..calibration.format import load_codebook
+from ..calibration.format import find, load_codebook
 from ..errors import OptionError, UnsupportedModelError
 from .base import VeloxCache
 from .options import CacheOptions, check_int, check_number, check_path, option
@@ -68,7 +68,8 @@ class A2ATSOptions(CacheOptions):
     """`window` (w): newest keys scored with exact RoPE. `far_position` (b): the
     position far keys see the query at. `sinks`: first keys always attended.
     `top`: fraction of the context each query head retrieves at decode.
-    `codebook`: file from `veloxpatch calibrate --algo a2ats`."""
+    `codebook`: file from `veloxpatch calibrate --algo a2ats` (None: this
+    model's in the calibration cache, if any, calibrated at this b)."""
 
     window: int = option(64, check_int, 1)
     # int32 positions
@@ -85,8 +86,13 @@ class A2ATSOptions(CacheOptions):
         for rope, d, sliding in zip(dims.ropes, dims.head_dims, dims.sliding):
             if not sliding:
                 check_pure_rotation(rope, d)
+        far = self.far_position
         if self.codebook is not None:
-            self.loaded = load_codebook(self.codebook, self.far_position, dims)
+            self.loaded = load_codebook(self.codebook, far, dims)
+        else:  # this model's file in the calibration cache, if there is one
+            found = find("a2ats", dims, lambda p: load_codebook(p, far, dims))
+            if found is not None:
+                self.codebook, self.loaded = found
         return super().bind(model, dims)
 
 

@@ -42,7 +42,13 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..calibration.format import SCORER_TARGETS, load_scorer
+from ..calibration.format import (
+    SCORER_TARGETS,
+    find,
+    home_path,
+    load_scorer,
+    missing,
+)
 from ..errors import CacheFileError, OptionError, PatchStateError
 from .attention_math import newest_queries
 from .base import PAD_POSITION
@@ -68,7 +74,8 @@ def surrogate_scores(weights: dict, x: mx.array) -> mx.array:
 
 @dataclasses.dataclass
 class KVzapOptions(ModelWideOptions):
-    """`scorer`: the calibration file (required to patch a model).
+    """`scorer`: the calibration file (required to patch a model; omitted, the
+    one `veloxpatch calibrate --algo kvzap` wrote for this model is used).
     `threshold`: drop rows scoring under it (None: keep the best `budget`).
     `budget`: mean rows per layer and KV head (default 256 without a
     threshold; with one, a cap if given). `window` (also always kept),
@@ -112,13 +119,16 @@ class KVzapOptions(ModelWideOptions):
         self.hidden = None  # the width of the hidden state, once bound
 
     def load(self, model, dims):
-        """Load and check the scorer file against `model` (before patching)."""
-        if self.scorer is None:
-            raise OptionError(
-                "kvzap needs scorer=FILE, its surrogates fitted to this model "
-                "(veloxpatch calibrate --algo kvzap --out FILE)"
-            )
+        """Load and check the scorer file against `model` (before patching);
+        none named, find this model's in the calibration cache."""
         self.hidden = hidden_size(model)
+        if self.scorer is None:  # this model's file in the calibration cache
+            found = find("kvzap", dims, lambda p: load_scorer(p, dims, self.hidden))
+            if found is None:
+                where = home_path("kvzap", dims.fingerprint).parent
+                raise OptionError(missing("kvzap", "scorer", where))
+            self.scorer, self.loaded = found
+            return
         self.loaded = load_scorer(self.scorer, dims, self.hidden)
 
 

@@ -66,9 +66,7 @@ def option(default, check, *args, **kwargs):
     **kwargs)`, which `CacheOptions.__post_init__` runs for every field (a
     field whose default is None also takes None). A shared option (`window`,
     `chunk`, `floor`...) is checked where it is declared, once."""
-    return dataclasses.field(
-        default=default, metadata={"check": (check, args, kwargs)}
-    )
+    return dataclasses.field(default=default, metadata={"check": (check, args, kwargs)})
 
 
 PATH_OPTIONS = ("codebook", "filters", "scorer")  # the options that name a file
@@ -80,6 +78,16 @@ def absolute_paths(options: dict) -> dict:
     return {
         k: os.path.abspath(v) if k in PATH_OPTIONS and isinstance(v, str) else v
         for k, v in options.items()
+    }
+
+
+def files_of(options) -> dict:
+    """The files bound options read ({option: path}), those found in the
+    calibration cache included."""
+    return {
+        k: getattr(options, k)
+        for k in PATH_OPTIONS
+        if isinstance(getattr(options, k, None), str)
     }
 
 

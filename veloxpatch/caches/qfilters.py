@@ -19,7 +19,7 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..calibration.format import group_mean, load_filters
+from ..calibration.format import find, group_mean, load_filters
 from ..errors import OptionError
 from .eviction import EvictingCache, EvictionOptions
 from .options import check_int, check_path, option
@@ -28,7 +28,9 @@ from .options import check_int, check_path, option
 @dataclasses.dataclass
 class QFiltersOptions(EvictionOptions):
     """`window`: newest rows protected (default 64). `filters`: a calibration
-    file; None calibrates on the prompt's own queries."""
+    file; None takes this model's from the calibration cache (`veloxpatch
+    calibrate --algo qfilters`), or, with none there, the prompt's own
+    queries."""
 
     window: int = option(64, check_int, 0)
     filters: str | None = option(None, check_path)
@@ -49,6 +51,10 @@ class QFiltersOptions(EvictionOptions):
         """Load and check the filters file against `model` (before patching)."""
         if self.filters is not None:
             self.loaded = load_filters(self.filters, dims)
+        else:  # this model's file in the calibration cache, if there is one
+            found = find("qfilters", dims, lambda p: load_filters(p, dims))
+            if found is not None:
+                self.filters, self.loaded = found
         return super().bind(model, dims)
 
 

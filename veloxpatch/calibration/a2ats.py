@@ -120,14 +120,25 @@ def layer_codebook(keys, queries, size: int, seed: int, query_aware=True) -> dic
 
 
 def calibrate_codebook(
-    model, ids, *, size, far_position, seed=0, tick=None, query_aware=True
+    model,
+    ids,
+    *,
+    size,
+    far_position,
+    seed=0,
+    tick=None,
+    query_aware=True,
+    fit_tick=None,
 ):
-    """Per layer codebooks (with norms) and the captured keys and queries."""
+    """Per layer codebooks (with norms) and the captured keys and queries.
+    `tick(n)`: n more tokens read; `fit_tick(1)`: one more layer's codebook."""
     captured = capture(model, ids, far_position, seed=seed, tick=tick)
-    books = [
-        None if c is None else with_norms(layer_codebook(*c, size, seed, query_aware))
-        for c in captured
-    ]
+    books = []
+    for c in captured:
+        book = None if c is None else layer_codebook(*c, size, seed, query_aware)
+        books.append(None if book is None else with_norms(book))
+        if fit_tick is not None:
+            fit_tick(1)
     return books, captured
 
 

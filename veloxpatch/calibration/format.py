@@ -11,11 +11,21 @@ checked before mlx reads it, the checksum after, then the values against what
 the calibration guarantees (unit Q-Filters, a Cholesky factor and consistent
 centroids), which catches a file that was written damaged. Sliding-window
 layers keep mlx-lm's cache and have no calibration arrays.
+
+Files also live in a per-user cache, `$VELOXPATCH_HOME` (default
+`~/.cache/veloxpatch`), one folder per model fingerprint and one fixed name per
+kind (`home_path`): `calibrate` without `out` writes there, and an option
+naming no file is looked up there (`find`) for the model being bound.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import re
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -29,6 +39,72 @@ KVZAP_FORMAT = "veloxpatch-kvzap/1"
 SCORER_KINDS = ("linear", "mlp")
 SCORER_TARGETS = ("kvzip+", "kvzip")  # what a surrogate predicts (absent: kvzip+)
 RIDGE = 1e-3  # A2ATS: H is regularised by RIDGE x I (relative to trace D)
+HOME_ENV = "VELOXPATCH_HOME"
+SUFFIX = ".safetensors"
+
+log = logging.getLogger("veloxpatch.calibration")
+
+
+# ---- the per-user cache ------------------------------------------------------------
+def home() -> Path:
+    """The calibration cache: `$VELOXPATCH_HOME`, else ~/.cache/veloxpatch
+    (absolute, so the options that record a file from it stay valid)."""
+    given = os.environ.get(HOME_ENV)
+    return Path(os.path.abspath(os.path.expanduser(given or "~/.cache/veloxpatch")))
+
+
+def model_key(fingerprint: dict) -> str:
+    """The folder of one model: its type (for people) and a hash of its whole
+    fingerprint (what tells two models apart)."""
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode())
+    kind = re.sub(r"[^A-Za-z0-9_.-]", "_", str(fingerprint.get("model_type")))
+    return f"{kind}-{digest.hexdigest()[:16]}"
+
+
+def home_path(algo: str, fingerprint: dict) -> Path:
+    """Where `calibrate` writes `algo`'s file for the model of `fingerprint`
+    without `out`: one name per kind and model, so a re-run replaces it."""
+    return home() / model_key(fingerprint) / f"{algo}{SUFFIX}"
+
+
+def home_for_writing(algo: str, fingerprint: dict) -> Path:
+    """`home_path`, its folder made (a refusal is one CalibrationError)."""
+    path = home_path(algo, fingerprint)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CalibrationError(f"cannot write {path}: {e.strerror or e}") from None
+    return path
+
+
+def find(algo: str, dims, load):
+    """(path, `load(path)`) of `algo`'s file in the cache for the model of
+    `dims`, or None when there is none or it cannot be used (then one warning
+    says why: damaged, or made for another model or other options)."""
+    path = home_path(algo, dims.fingerprint)  # (split: every rank takes part)
+    if not path.is_file():
+        return None
+    try:
+        loaded = load(str(path))
+    except CalibrationError as e:
+        log.warning("%s: skipped %s from the calibration cache: %s", algo, path, e)
+        return None
+    log.info("%s: calibration file %s (found in %s)", algo, path, home())
+    return str(path), loaded
+
+
+def missing(algo: str, option: str, where) -> str:
+    """The error of an algorithm that needs a file and found none in `where`."""
+    return (
+        f"{algo} needs {option}=FILE, calibrated on this model, and {where} has "
+        f"none; make it with `veloxpatch calibrate --algo {algo}`"
+    )
+
+
+def none_for_any_model(algo: str) -> bool:
+    """Whether the cache holds no `algo` file for any model (then one for this
+    model cannot be there: said before a model is loaded)."""
+    return not any(home().glob(f"*/{algo}{SUFFIX}"))
 
 
 def group_mean(filters: mx.array, kv_heads: int) -> mx.array:

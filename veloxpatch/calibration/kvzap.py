@@ -235,26 +235,28 @@ def summary(report: list) -> dict:
     }
 
 
-def fit_layers(data, fit) -> tuple[list, list]:
+def fit_layers(data, fit, tick=None) -> tuple[list, list]:
     """(per layer weights `fit(X, Y)` of the segments not held out, None for
-    sliding-window layers; per layer held-out quality) from `collect`'s data."""
+    sliding-window layers; per layer held-out quality) from `collect`'s data;
+    `tick(1)` after each layer."""
     mask = held_out(len(data))
     train = [d for d, out in zip(data, mask) if not out]
     test = [d for d, out in zip(data, mask) if out]
     layers, report = [], []
     for i in range(len(data[0][0])):
-        if data[0][0][i] is None:
-            layers.append(None)
-            report.append(None)
-            continue
-        w = fit(
-            np.concatenate([d[0][i] for d in train]),
-            np.concatenate([d[1][i] for d in train]),
-        )
-        Xt = np.concatenate([d[0][i] for d in test])
-        Yt = np.concatenate([d[1][i] for d in test])
-        report.append({"layer": i, **fit_quality(predict(w, Xt), Yt)})
+        w = quality = None
+        if data[0][0][i] is not None:
+            w = fit(
+                np.concatenate([d[0][i] for d in train]),
+                np.concatenate([d[1][i] for d in train]),
+            )
+            Xt = np.concatenate([d[0][i] for d in test])
+            Yt = np.concatenate([d[1][i] for d in test])
+            quality = {"layer": i, **fit_quality(predict(w, Xt), Yt)}
         layers.append(w)
+        report.append(quality)
+        if tick is not None:
+            tick(1)
     return layers, report
 
 
@@ -268,10 +270,12 @@ def calibrate_scorer(
     tick=None,
     segment=SEGMENT,
     target="kvzip+",
+    fit_tick=None,
 ):
     """(per layer surrogate weights as mlx arrays, None for sliding-window
     layers; report) from `target` scores of `ids`, fitted on the segments not
-    held out, judged on those held out."""
+    held out, judged on those held out. `tick(n)`: n more tokens scored;
+    `fit_tick(1)`: one more layer fitted."""
     if kind not in ("linear", "mlp"):
         raise CalibrationError(f"kvzap surrogates are linear or mlp, not {kind!r}")
     if target not in SCORER_TARGETS:
@@ -285,7 +289,7 @@ def calibrate_scorer(
     scored = time.perf_counter() - start
     mask = held_out(len(data))
     fit = fit_ridge if kind == "linear" else (lambda X, Y: fit_mlp(X, Y, seed=seed))
-    weights, report = fit_layers(data, fit)
+    weights, report = fit_layers(data, fit, fit_tick)
     layers = [
         None if w is None else {k: mx.array(v, mx.float32) for k, v in w.items()}
         for w in weights

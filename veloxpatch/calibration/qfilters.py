@@ -54,11 +54,17 @@ def query_filters(queries: mx.array) -> mx.array:
     return v1
 
 
-def calibrate_filters(model, ids, *, seed=0, tick=None):
+def calibrate_filters(model, ids, *, seed=0, tick=None, fit_tick=None):
     """(per layer [Hq, D] filters, None for sliding-window layers; the queries
-    they came from)."""
+    they came from). `tick(n)`: n more tokens read; `fit_tick(1)`: one more
+    layer's filters."""
     queries = capture_queries(model, ids, seed=seed, tick=tick)
-    return [None if q is None else query_filters(q) for q in queries], queries
+    filters = []
+    for q in queries:
+        filters.append(None if q is None else query_filters(q))
+        if fit_tick is not None:
+            fit_tick(1)
+    return filters, queries
 
 
 def save_filters(path, per_head: list, model, info: dict | None = None):

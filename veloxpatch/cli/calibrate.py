@@ -1,9 +1,8 @@
 """`veloxpatch calibrate`: per-model statistics from real queries (Q-Filters,
-the A2ATS codebook)."""
+the A2ATS codebook, kvzap's surrogates), written to --out or to this model's
+file in the calibration cache, with its progress on stderr."""
 
 from __future__ import annotations
-
-import sys
 
 import click
 
@@ -32,8 +31,9 @@ DEFAULT_TOKENS = {"kvzap": 16384}
 @click.option(
     "--out",
     type=OutputFile(SUFFIX),
-    required=True,
-    help=f"calibration file, its name ending in {SUFFIX}",
+    default=None,
+    help=f"calibration file, its name ending in {SUFFIX} [default: this model's "
+    "in $VELOXPATCH_HOME (~/.cache/veloxpatch), where algorithms find it]",
 )
 @click.option("--force", is_flag=True, help="overwrite --out if it exists")
 @click.option(
@@ -85,11 +85,11 @@ def calibrate(
     target,
 ):
     """Calibrate ALGO (qfilters, a2ats, kvzap) on the model's own queries or
-    KVzip+ scores; save to OUT."""
+    KVzip+ scores; save to OUT, or where ALGO finds it for this model."""
     import mlx.core as mx
 
+    from ..calibration.run import Progress, check_algo
     from ..calibration.run import calibrate as run_calibration
-    from ..calibration.run import check_algo
     from ..loading import models
     from ..prose import check_length, prose_length
 
@@ -119,26 +119,35 @@ def calibrate(
             f"--tokens must be at least 256 for kvzap (two segments of text, one "
             f"held out), got {tokens:,}"
         )
-    refuse_existing(force, out=out)
+    if out is not None:
+        refuse_existing(force, out=out)
+    else:
+        ctx = click.get_current_context()
+        refuse_unread(ctx, ("force",), "for --out (the cache's file is replaced)")
     loaded, tokenizer = models.load(model)
     check_length(prose_length(tokenizer, text), tokens, text)  # before any work
-    with click.progressbar(
-        length=tokens, label="calibration tokens", file=sys.stderr
-    ) as bar:
-        per_head, queries = run_calibration(
-            loaded,
-            tokenizer,
-            algo,
-            tokens=tokens,
-            text=text,
-            out=out,
-            seed=seed,
-            tick=bar.update,
-            codebook_size=codebook_size,
-            far_position=far_position,
-            kind=kind,
-            target=target,
-        )
+    if out is None:  # a re-run for this model replaces its file
+        from model_adapters.base import fingerprint
+
+        from ..calibration.format import home_for_writing
+
+        out = home_for_writing(algo, fingerprint(loaded))
+    progress = Progress(algo, tokens, len(loaded.layers))
+    per_head, queries = run_calibration(
+        loaded,
+        tokenizer,
+        algo,
+        tokens=tokens,
+        text=text,
+        out=out,
+        seed=seed,
+        tick=progress.read,
+        fit_tick=progress.fitted,
+        codebook_size=codebook_size,
+        far_position=far_position,
+        kind=kind,
+        target=target,
+    )
     if algo == "kvzap":
         r = queries
         click.echo(

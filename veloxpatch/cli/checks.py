@@ -280,3 +280,20 @@ def algo_options(budget, algo_args, max_kv_bytes=None) -> dict:
                 raise UserError(f"{key} given twice: {flag} and --algo-arg {key}=")
             options[key] = value
     return options
+
+
+# the algorithms that cannot run without a calibration file, and its option
+NEEDS_FILE = {"kvzap": "scorer"}
+
+
+def refuse_missing_calibration(algo: str, options: dict) -> None:
+    """Before the model loads: an algorithm that needs a calibration file and
+    names none, when the calibration cache holds none for any model (one for
+    this model is looked up once it loads)."""
+    option = NEEDS_FILE.get(algo)
+    if option is None or options.get(option) is not None:
+        return
+    from ..calibration.format import home, missing, none_for_any_model
+
+    if none_for_any_model(algo):
+        raise UserError(missing(algo, option, home()))

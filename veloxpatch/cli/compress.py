@@ -15,6 +15,7 @@ from .checks import (
     UserError,
     algo_options,
     refuse_existing,
+    refuse_missing_calibration,
     user_errors,
 )
 
@@ -55,12 +56,13 @@ def compress(model, context_path, algo, budget, algo_args, out, force, chat):
 
     from ..api import apply, make_options
     from ..caches.io import save_cache
-    from ..caches.options import absolute_paths
+    from ..caches.options import absolute_paths, files_of
     from ..loading.models import load
     from ..memory import full_kv_bytes, kv_bytes
 
     options = algo_options(budget, algo_args)
     make_options(algo, options)  # fail before the slow load
+    refuse_missing_calibration(algo, options)
     refuse_existing(force, out=out)
     text = read_utf8(context_path)
     m, tokenizer = load(model)
@@ -73,16 +75,18 @@ def compress(model, context_path, algo, budget, algo_args, out, force, chat):
         seconds = time.perf_counter() - start
         meta = {
             "algo": algo,
-            "options": json.dumps(absolute_paths(options)),
+            # with the files found in the calibration cache: the same ones load
+            "options": json.dumps(absolute_paths(options | files_of(patch.options))),
             "tail": tail,
             "fingerprint": json.dumps(fingerprint(m), sort_keys=True),
             "context_tokens": str(len(ids)),
         }
         save_cache(out, caches, meta)
+        files = "".join(f" | {k} {v}" for k, v in files_of(patch.options).items())
     click.echo(
         f"wrote {out}: {len(ids)} context tokens compressed by {algo} in "
         f"{seconds:.1f} s | KV held {kv_bytes(caches):,} B | full KV "
-        f"{full_kv_bytes(caches):,} B"
+        f"{full_kv_bytes(caches):,} B{files}"
     )
 
 

@@ -15,6 +15,7 @@ from .checks import (
     TextSource,
     UserError,
     refuse_existing,
+    refuse_missing_calibration,
     refuse_unread,
     user_errors,
 )
@@ -72,6 +73,7 @@ def _check_arms(arms):
     for arm in arms:
         if not is_peer(arm.algo):
             make_options(arm.algo, arm.options)  # unknown names raise here
+            refuse_missing_calibration(arm.algo, dict(arm.options))
             runnable.append(arm)
             continue
         from ..eval import peers

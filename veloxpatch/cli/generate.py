@@ -11,6 +11,7 @@ from .checks import (
     NonEmpty,
     UserError,
     algo_options,
+    refuse_missing_calibration,
     user_errors,
 )
 
@@ -91,6 +92,7 @@ def generate(
     from mlx_lm.sample_utils import make_sampler
 
     from ..api import apply, make_options
+    from ..caches.options import files_of
     from ..loading.models import chat_prompt, load
     from ..memory import full_kv_bytes, kv_bytes
     from .text import read_prompt
@@ -107,6 +109,7 @@ def generate(
             raise UserError(f"--cache gives the algorithm and its options; drop {drop}")
     options = algo_options(budget, algo_args, max_kv_bytes)
     make_options(algo, options)  # fail before the slow load
+    refuse_missing_calibration(algo, options)
     prompt = read_prompt(prompt)
     m, tokenizer = load(model, quantized=quantized)
     if chat and getattr(tokenizer, "chat_template", None) is None:
@@ -147,12 +150,14 @@ def generate(
         # kvzap's threshold: how much the text let it keep
         kept = [c.kept_fraction() for c in caches if hasattr(c, "kept_fraction")]
         ratio = f" | kept {sum(kept) / len(kept):.1%} of pairs" if kept else ""
+        # the calibration files read, those found in the calibration cache too
+        files = "".join(f" | {k} {v}" for k, v in files_of(patch.options).items())
         click.echo(
             f"[{label}] prompt {last.prompt_tokens} tok | generated "
             f"{last.generation_tokens} tok | prefill {last.prompt_tps:.1f} tok/s | "
             f"decode {last.generation_tps:.1f} tok/s | KV held {kv_bytes(caches):,} B"
             f" | full KV {full_kv_bytes(caches):,} B | peak "
             f"{max(0, mx.get_peak_memory() - before):,} B (chunk {prefill_step})"
-            f"{ratio}",
+            f"{ratio}{files}",
             err=True,
         )

@@ -13,7 +13,13 @@ import os
 
 import click
 
-from .checks import NonEmpty, UserError, algo_options, user_errors
+from .checks import (
+    NonEmpty,
+    UserError,
+    algo_options,
+    refuse_missing_calibration,
+    user_errors,
+)
 
 # mlx-lm server flags that would bypass or break the patch: refused up front
 REFUSED = {
@@ -188,6 +194,7 @@ def serve(
             f"{e} (--max-kv-bytes is the per-sequence budget, as in generate; "
             "the server's cap is --kv-cap)"
         ) from None
+    refuse_missing_calibration(algo, options)
     if compress_system_prompt and not cache_cls.wants_token_ids:
         raise UserError(
             f"--compress-system-prompt: {algo} has no question-agnostic pass to "
