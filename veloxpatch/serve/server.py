@@ -32,7 +32,7 @@ from ..errors import OptionError
 from ..mlx_lm_internals import run_http_server, tokenize_request
 from .checks import BadRequest, check_body, check_length, model_limits
 from .cuts import CLIENT_GONE, Cut, CuttableGenerator, client_gone, stop_on_signals
-from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused
+from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused, ReplayingModel
 
 log = logging.getLogger("veloxpatch.serve")
 
@@ -406,17 +406,26 @@ class Generator(CuttableGenerator):
     def _serve_single(self, request, stream):
         queue, body, args = request
         read = 0
+        # the same prompt again continues from its entry's kept logits, which
+        # mlx-lm's calls reach through ReplayingModel (kv.py)
+        self.prompt_cache.replays = True
+        provider = self.model_provider
         try:
-            read = self._keep_system(body, args)
-        except OptionError as e:  # the request meets it again, and answers it
-            log.warning("the system prompt's prompt-cache entry was not kept: %s", e)
-        except Exception:  # the request goes on and reads its system prompt itself
-            log.exception("the system prompt's prompt-cache entry was not kept")
-        if read:
-            queue = ReadForTheRequest(queue, read)
-        try:
+            try:
+                read = self._keep_system(body, args)
+            except OptionError as e:  # the request meets it again, and answers it
+                log.warning(
+                    "the system prompt's prompt-cache entry was not kept: %s", e
+                )
+            except Exception:  # the request goes on and reads its system prompt
+                log.exception("the system prompt's prompt-cache entry was not kept")
+            if read:
+                queue = ReadForTheRequest(queue, read)
+            self.model_provider = ReplayingProvider(provider)
             super()._serve_single((queue, body, args), stream)
         finally:  # a request that failed before its fetch leaves nothing held
+            self.model_provider = provider
+            self.prompt_cache.replays = False
             self.prompt_cache.drop_handed()
 
     def _keep_system(self, body, args) -> int:
@@ -447,6 +456,18 @@ class Generator(CuttableGenerator):
             self.cli_args.prefill_step_size,
             compress,
         )
+
+
+class ReplayingProvider:
+    """The model provider, its model seen through `kv.ReplayingModel`, for
+    mlx-lm's one-at-a-time path."""
+
+    def __init__(self, provider):
+        self.provider = provider
+        self.model = ReplayingModel(provider.model)
+
+    def __getattr__(self, name):
+        return getattr(self.provider, name)
 
 
 class ReadForTheRequest:
