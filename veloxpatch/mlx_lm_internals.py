@@ -461,7 +461,9 @@ INTERNALS = (
     Internal(
         "mlx_lm.server:APIHandler.do_GET",
         "/v1/models goes to handle_models_request (ours lists the one model "
-        "served: serve/server.py)",
+        "served) and /health to handle_health_check (ours reads the response "
+        "generator's `is_healthy` as it does; both add the algorithm, the cap "
+        "and the bytes held: serve/server.py)",
         source_sha256=(
             "6112bfedf9583cb612850f5eb531cd294195c2bd2066f787fe060c63b8f76e69"
         ),

@@ -381,6 +381,30 @@ class Handler(APIHandler):
         response["model"] = self.state.provider.served_name()
         return response
 
+    def kv_report(self) -> dict:
+        """What this server compresses with and holds: the algorithm and its
+        options, the cap, the reservations in flight and the prompt cache."""
+        state = self.state
+        cap = state.ledger.cap
+        return {
+            "algorithm": state.provider.algo,
+            "options": str(state.provider.patch.options),
+            "kv_cap_bytes": cap,
+            "requests_in_flight": state.ledger.in_flight,
+            "reserved_bytes": state.ledger.reserved,
+            "prompt_cache_bytes": state.prompt_cache.nbytes,
+            "prompt_cache_entries": len(state.prompt_cache),
+        }
+
+    def handle_health_check(self):
+        healthy = self.response_generator.is_healthy
+        self._set_completion_headers(200 if healthy else 503)
+        self.end_headers()
+        body = {"status": "ok" if healthy else "unavailable"}
+        body["veloxpatch"] = self.kv_report()
+        self.wfile.write(json.dumps(body).encode())
+        self.wfile.flush()
+
     def handle_models_request(self):
         # mlx-lm lists every model in the Hugging Face cache; only one is served
         self._set_completion_headers(200)
@@ -389,6 +413,7 @@ class Handler(APIHandler):
             "id": self.state.provider.served_name(),
             "object": "model",
             "created": self.created,
+            "veloxpatch": self.kv_report(),
         }
         self.wfile.write(json.dumps({"object": "list", "data": [entry]}).encode())
         self.wfile.flush()
