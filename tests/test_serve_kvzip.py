@@ -102,3 +102,21 @@ def test_a_system_prompt_compressed_alone_serves_later_users_without_a_pass():
     assert cached == [0, n]
     for r in replies:
         assert "Paris" in r["choices"][0]["message"]["content"]
+
+
+@smollm
+def test_a_retry_continues_from_the_entry_and_gives_the_same_text():
+    """The same request twice (a client's retry): the second reads only the
+    prompt's last token (its logits kept with kvzip's compressed entry) and
+    gives the same text at temperature 0."""
+    args = ["--algo", "kvzip", "--budget", "64", "--max-tokens", "16"]
+    system = {"role": "system", "content": "Answer from these notes. " + FACTS}
+    messages = [system, {"role": "user", "content": "How much do tickets cost?"}]
+    with running_server(*args, limit_s=240) as srv:
+        first, again = ask(srv, messages), ask(srv, messages)
+        log = srv.log.read_text()
+    n = first["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    text = first["choices"][0]["message"]["content"]
+    assert again["choices"][0]["message"]["content"] == text
+    assert f"the same {n}-token prompt again" in log

@@ -387,3 +387,86 @@ def test_a_system_prompt_compressed_alone_is_compressed_once_for_every_user(
     assert after[2] >= len(system)
     assert after[0] == alone[0]
     np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
+
+
+def serve_replaying(model, store, prompt, n=6):
+    """`serve` as the one-at-a-time path runs it: the model called through
+    ReplayingModel, so an entry of exactly this prompt hands its logits."""
+    from veloxpatch.serve.kv import ReplayingModel
+
+    store.replays = True
+    try:
+        return serve(ReplayingModel(model), store, prompt, n=n)
+    finally:
+        store.replays = False
+
+
+@pytest.mark.parametrize(
+    "algo,opts",
+    [
+        ("kvzip", dict(budget=24)),
+        ("kvzap", dict(budget=48, scorer=SCORER)),
+        ("snapkv", dict(budget=24, window=8)),
+        ("full", {}),
+    ],
+)
+def test_the_same_prompt_again_continues_from_its_entry(algo, opts):
+    """A retry (the same prompt): every algorithm whose entry holds the prompt
+    reuses all but its last token, and gives the same tokens and logprobs.
+    kvzip's and kvzap's entries were compressed as the prompt ended: their
+    last token's logits come from the entry, not from trimming it."""
+    from test_kvzip import TOK
+
+    model = tiny_model("llama")
+    opts = resolve_options(model, opts)
+    with veloxpatch.patched(model, algo, tokenizer=TOK, **opts) as patch:
+        patch.keep_snapshots = True
+        store = BoundedPromptCache()
+        first = serve_replaying(model, store, DOC + ASK_A)
+        assert first[2] == 0
+        again = serve_replaying(model, store, DOC + ASK_A)
+        thrice = serve_replaying(model, store, DOC + ASK_A)
+    for retry in (again, thrice):
+        assert retry[2] == len(DOC + ASK_A) - 1
+        assert retry[0] == first[0]
+        np.testing.assert_allclose(np.array(retry[1]), np.array(first[1]), atol=1e-5)
+
+
+def test_a_compressed_entry_without_replay_starts_over_and_says_why(caplog):
+    """mlx-lm's batched path calls the model itself: no logits are replayed
+    there, and a kvzip entry (compressed as its prompt ended) is not trimmed."""
+    from test_kvzip import TOK
+
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=24) as patch:
+        patch.keep_snapshots = True
+        store = BoundedPromptCache()
+        first = serve_replaying(model, store, DOC + ASK_A)
+        with caplog.at_level("INFO", logger="veloxpatch.serve"):
+            again = serve(model, store, DOC + ASK_A)
+    assert again[2] == 0 and again[0] == first[0]
+    assert "compressed as its prompt ended" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "algo,opts",
+    [("kvzip", dict(budget=256)), ("snapkv", dict(budget=256, window=8))],
+)
+def test_a_short_prompts_entry_holds_no_more_than_mlx_lms_cache(algo, opts):
+    """A 33-token prompt under a budget of 256: its entry holds its rows (and
+    kvzip's query buffer, the last token's logits), not the 256-row buffer
+    step; mlx-lm's own cache for the request holds 256 rows."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from test_kvzip import TOK
+
+    model = tiny_model("llama")
+    prompt = prompt_tokens(33, seed=5).tolist()
+    plain = make_prompt_cache(model)
+    greedy(model, mx.array(prompt), n=4, prompt_cache=plain)
+    mlx_bytes = sum(c.nbytes for c in plain)
+    with veloxpatch.patched(model, algo, tokenizer=TOK, **opts) as patch:
+        patch.keep_snapshots = True
+        store = BoundedPromptCache()
+        serve_replaying(model, store, prompt, n=4)
+    assert len(store) == 1
+    assert store.nbytes <= mlx_bytes, (store.nbytes, mlx_bytes)

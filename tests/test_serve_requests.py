@@ -459,3 +459,23 @@ def test_sigterm_during_a_long_prefill_exits_without_waiting_for_it():
         assert took < 5 and srv.proc.returncode == 0
         status, text = results["r"]
         assert status == 503 and "server shutting down" in text
+
+
+@smollm
+def test_health_and_models_report_the_algorithm_the_cap_and_the_bytes_held(server):
+    status, text = server.post({"messages": USER, "max_tokens": 2})
+    assert status == 200, text
+    reports = []
+    for path in ("/health", "/v1/models"):
+        with urllib.request.urlopen(server.url + path, timeout=10) as r:
+            body = json.loads(r.read())
+        reports.append(
+            body["veloxpatch"] if path == "/health" else body["data"][0]["veloxpatch"]
+        )
+    for report in reports:
+        assert report["algorithm"] == "full"
+        assert report["kv_cap_bytes"] == 100_000_000
+        assert report["requests_in_flight"] == 0 and report["reserved_bytes"] == 0
+        # the finished request's caches, kept for later turns
+        assert report["prompt_cache_entries"] >= 1
+        assert report["prompt_cache_bytes"] > 0

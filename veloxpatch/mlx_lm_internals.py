@@ -192,7 +192,8 @@ INTERNALS = (
     Internal(
         "mlx_lm.models.cache:LRUPromptCache.insert_cache",
         f"{_SERVE} overrides it: every finished request's caches, with a "
-        "cache_type (serve/kv.py)",
+        "cache_type; then adds an entry's kept logits to its `nbytes` and to "
+        "`_n_bytes`/`_n_bytes_by_type`, found with `_trie.get` (serve/kv.py)",
         source_sha256=(
             "49c194f3fcf8831ef8f1f6e861e29307713dab6aa66295dce4f92d3643e744e9"
         ),
@@ -460,7 +461,9 @@ INTERNALS = (
     Internal(
         "mlx_lm.server:APIHandler.do_GET",
         "/v1/models goes to handle_models_request (ours lists the one model "
-        "served: serve/server.py)",
+        "served) and /health to handle_health_check (ours reads the response "
+        "generator's `is_healthy` as it does; both add the algorithm, the cap "
+        "and the bytes held: serve/server.py)",
         source_sha256=(
             "6112bfedf9583cb612850f5eb531cd294195c2bd2066f787fe060c63b8f76e69"
         ),

@@ -271,6 +271,8 @@ class VeloxCache(RowStorage):
         copied.snapshot = None
         if pending:
             copied.state, copied.ends = "prefill", phase.ends - 1
+        if pending or (phase.prompt_logits or (None,))[0] != self.offset:
+            copied.prompt_logits = None  # they go with a prompt that has ended
         clones = []
         for c in caches:
             new = c.clone()
@@ -342,6 +344,13 @@ class VeloxCache(RowStorage):
     def truncate_rows(self, n: int) -> None:
         super().truncate_rows(n)
         self.truncate_row_arrays(n)
+
+    def fit_buffer(self) -> None:
+        super().fit_buffer()
+        for name in self.row_arrays:  # each row's side state, to the rows too
+            a = getattr(self, name)
+            if a is not None and a.shape[-1] > self.rows:
+                setattr(self, name, mx.take(a, mx.arange(self.rows), axis=-1))
 
     def truncate_row_arrays(self, n: int) -> None:
         """Each row's side state follows its rows (any storage's truncate)."""

@@ -191,6 +191,9 @@ class BoundedPromptCache(LRUPromptCache):
         self._lock = threading.RLock()
         self.ledger: KVLedger | None = None
         self._handed = None  # keep_system's fetch, for the request it ran for
+        # the caller runs the model through ReplayingModel (one request at a
+        # time): an exact prompt's entry may hand it the logits it kept
+        self.replays = False
 
     def fetch_nearest_cache(self, model, tokens):
         handed, self._handed = self._handed, None
@@ -198,13 +201,43 @@ class BoundedPromptCache(LRUPromptCache):
             return handed[2:]  # fetched (and read on) by keep_system
         with self._lock:
             cache, rest = super().fetch_nearest_cache(model, tokens)
+            longer = self._untrimmable_longer(model, tokens, cache, rest)
+        if longer:
+            log.info(
+                "prompt cache: an entry shares %d of these %d tokens but its "
+                "caches cannot be trimmed back to them; %s",
+                longer,
+                len(tokens),
+                "starting over"
+                if cache is None
+                else f"a shorter one holds {len(tokens) - len(rest)} tokens",
+            )
+        why = "the nearest entry was trimmed past evictions"
         if cache is not None and not rest and tokens:
             # an entry of exactly this prompt (kept_for_later stores prompts):
             # mlx-lm needs a token to prefill, so give the last one back
+            if self.replays and replay_last_token(cache, len(tokens)):
+                log.info(
+                    "prompt cache: the same %d-token prompt again: continues "
+                    "from its entry as its prompt ended",
+                    len(tokens),
+                )
+                return cache, tokens[-1:]
             if not can_trim_prompt_cache(cache):
+                log.info(
+                    "prompt cache: this prompt's entry cannot be trimmed to "
+                    "read its last token again; starting over"
+                )
                 return None, tokens
             trim_prompt_cache(cache, 1)
             rest = tokens[-1:]
+            why = (
+                "this prompt's entry was compressed as its prompt ended and kept "
+                "no logits to start from"
+                if self.replays
+                else "this prompt's entry was compressed as its prompt ended "
+                "(its logits are replayed only one request at a time)"
+            )
         shared = len(tokens) - len(rest)
         if cache is not None and not trimmed_exactly(cache, shared, len(rest)):
             # rows evicted (or statistics taken) after the shared prefix read what
@@ -212,12 +245,25 @@ class BoundedPromptCache(LRUPromptCache):
             # (the shared system prompt) is, or the request starts over
             cache, rest = self._shorter_entry(model, tokens)
             log.info(
-                "prompt cache: the nearest entry was trimmed past evictions; %s",
+                "prompt cache: %s; %s",
+                why,
                 "starting over"
                 if cache is None
                 else f"a shorter one holds {len(tokens) - len(rest)} tokens",
             )
         return cache, rest
+
+    def _untrimmable_longer(self, model, tokens, cache, rest) -> int:
+        """The tokens a longer entry shares with `tokens` when mlx-lm passed it
+        over because its caches cannot be trimmed (0: none was)."""
+        found = self._trie.search(model, tokens)
+        shared = len(tokens) - len(rest) if cache is not None else 0
+        if found.exact is not None or found.longer is None:
+            return 0
+        if found.common_prefix <= shared:
+            return 0
+        entry = self._trie.get(found.model, found.longer)
+        return 0 if can_trim_prompt_cache(entry.prompt_cache) else found.common_prefix
 
     def _shorter_entry(self, model, tokens):
         """A copy of the longest entry whose tokens start `tokens` (shorter than
@@ -297,9 +343,85 @@ class BoundedPromptCache(LRUPromptCache):
                 super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
             finally:
                 self._trie.stands_for = None
+            self._price_logits(model, tokens, prompt_cache)
             room = self.ledger.prompt_cache_room() if self.ledger else None
             if room is not None and self.nbytes > room:
                 self.trim_to(n_bytes=room)
+
+    def _price_logits(self, model, tokens, prompt_cache) -> None:
+        """Add the logits an entry keeps (`ReplayingModel`) to its price: mlx-lm
+        sums its caches' nbytes only."""
+        extra = kept_logits_bytes(prompt_cache)
+        if not extra:
+            return
+        try:
+            entry = self._trie.get(model, tokens)
+        except KeyError:  # already evicted by mlx-lm's own bounds
+            return
+        if entry.prompt_cache is not prompt_cache:
+            return
+        entry.nbytes += extra
+        self._n_bytes += extra
+        self._n_bytes_by_type[entry.cache_type] += extra
+        if self._n_bytes > self.max_bytes:
+            self.trim_to(n_bytes=self.max_bytes)
+
+
+class ReplayingModel:
+    """The served model as the one-at-a-time path calls it. A cache compressed
+    as its prompt ended (kvzip, kvzap) cannot be trimmed to read the prompt's
+    last token again, so the same prompt again could not reuse its entry: its
+    prompt's last call keeps its logits (`prompt_logits`, copied into the
+    snapshot), and a fetch of exactly that prompt (`replay_last_token`) has
+    the next call, the last token's, return them without touching the cache.
+    The generation then goes on from the state the first request decoded from."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        phase = _phase(cache)
+        if phase is not None and phase.replay is not None:
+            logits, phase.replay = phase.replay, None
+            if inputs.shape[-1] == 1:
+                return logits
+        out = self.model(inputs, cache=cache, **kwargs)
+        # the last prompt call is a lone token (generate_step's `_step`)
+        if phase is not None and phase.keep_snapshot and inputs.shape[-1] == 1:
+            if phase.in_prompt:
+                ours = [c for c in cache if hasattr(c, "phase")]
+                phase.prompt_logits = (ours[0].offset, out[:, -1:, :])
+        return out
+
+
+def _phase(cache):
+    if not cache:
+        return None
+    for c in cache:
+        if hasattr(c, "phase"):
+            return c.phase
+    return None
+
+
+def replay_last_token(cache, n: int) -> bool:
+    """Arm `cache` (an entry of exactly n prompt tokens, past its prompt's
+    end) to give its kept logits for the last token: whether it could."""
+    phase = _phase(cache)
+    kept = getattr(phase, "prompt_logits", None)
+    if kept is None or kept[0] != n or phase.in_prompt:
+        return False
+    if any(c.offset != n for c in cache if hasattr(c, "phase")):
+        return False
+    phase.replay = kept[1]
+    return True
+
+
+def kept_logits_bytes(cache) -> int:
+    kept = getattr(_phase(cache), "prompt_logits", None)
+    return 0 if kept is None else kept[1].nbytes
 
 
 def prompt_pieces(tokens: list[int], step: int) -> list[list[int]]:
@@ -361,13 +483,27 @@ def kept_for_later(tokens, caches):
         log.info("request done: nothing kept for later (%s policy)", policy)
         return None
     _, n, copies = snapshot
+    fit_buffers(copies)  # priced at its rows, not the buffers' growth step
+    kept = copies and getattr(_phase(copies), "prompt_logits", None)
+    if kept:
+        mx.eval(kept[1])
     # kvzip and kvzap snapshot after their (question-agnostic) compression
     when = "after its" if not ours[0].snapshot_first() else "before its question-aware"
     log.info(
         "prompt cache keeps the %d prompt tokens as they stood at the prompt's "
-        "end, %s compression: %s bytes",
+        "end, %s compression: %s bytes%s",
         n,
         when,
         f"{kv_bytes(copies):,}",
+        f" and its last token's logits ({kept[1].nbytes:,} bytes)" if kept else "",
     )
     return list(tokens[:n]), copies, "user"
+
+
+def fit_buffers(caches) -> None:
+    """Free each veloxpatch cache's capacity past the rows it holds (its
+    buffers grow in steps of 256 rows, as mlx-lm's): an entry kept for later
+    holds its rows only."""
+    for c in caches:
+        if hasattr(c, "fit_buffer") and hasattr(c, "phase"):
+            c.fit_buffer()

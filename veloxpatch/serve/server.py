@@ -32,7 +32,7 @@ from ..errors import OptionError
 from ..mlx_lm_internals import run_http_server, tokenize_request
 from .checks import BadRequest, check_body, check_length, model_limits
 from .cuts import CLIENT_GONE, Cut, CuttableGenerator, client_gone, stop_on_signals
-from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused
+from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused, ReplayingModel
 
 log = logging.getLogger("veloxpatch.serve")
 
@@ -381,6 +381,30 @@ class Handler(APIHandler):
         response["model"] = self.state.provider.served_name()
         return response
 
+    def kv_report(self) -> dict:
+        """What this server compresses with and holds: the algorithm and its
+        options, the cap, the reservations in flight and the prompt cache."""
+        state = self.state
+        cap = state.ledger.cap
+        return {
+            "algorithm": state.provider.algo,
+            "options": str(state.provider.patch.options),
+            "kv_cap_bytes": cap,
+            "requests_in_flight": state.ledger.in_flight,
+            "reserved_bytes": state.ledger.reserved,
+            "prompt_cache_bytes": state.prompt_cache.nbytes,
+            "prompt_cache_entries": len(state.prompt_cache),
+        }
+
+    def handle_health_check(self):
+        healthy = self.response_generator.is_healthy
+        self._set_completion_headers(200 if healthy else 503)
+        self.end_headers()
+        body = {"status": "ok" if healthy else "unavailable"}
+        body["veloxpatch"] = self.kv_report()
+        self.wfile.write(json.dumps(body).encode())
+        self.wfile.flush()
+
     def handle_models_request(self):
         # mlx-lm lists every model in the Hugging Face cache; only one is served
         self._set_completion_headers(200)
@@ -389,6 +413,7 @@ class Handler(APIHandler):
             "id": self.state.provider.served_name(),
             "object": "model",
             "created": self.created,
+            "veloxpatch": self.kv_report(),
         }
         self.wfile.write(json.dumps({"object": "list", "data": [entry]}).encode())
         self.wfile.flush()
@@ -406,17 +431,26 @@ class Generator(CuttableGenerator):
     def _serve_single(self, request, stream):
         queue, body, args = request
         read = 0
+        # the same prompt again continues from its entry's kept logits, which
+        # mlx-lm's calls reach through ReplayingModel (kv.py)
+        self.prompt_cache.replays = True
+        provider = self.model_provider
         try:
-            read = self._keep_system(body, args)
-        except OptionError as e:  # the request meets it again, and answers it
-            log.warning("the system prompt's prompt-cache entry was not kept: %s", e)
-        except Exception:  # the request goes on and reads its system prompt itself
-            log.exception("the system prompt's prompt-cache entry was not kept")
-        if read:
-            queue = ReadForTheRequest(queue, read)
-        try:
+            try:
+                read = self._keep_system(body, args)
+            except OptionError as e:  # the request meets it again, and answers it
+                log.warning(
+                    "the system prompt's prompt-cache entry was not kept: %s", e
+                )
+            except Exception:  # the request goes on and reads its system prompt
+                log.exception("the system prompt's prompt-cache entry was not kept")
+            if read:
+                queue = ReadForTheRequest(queue, read)
+            self.model_provider = ReplayingProvider(provider)
             super()._serve_single((queue, body, args), stream)
         finally:  # a request that failed before its fetch leaves nothing held
+            self.model_provider = provider
+            self.prompt_cache.replays = False
             self.prompt_cache.drop_handed()
 
     def _keep_system(self, body, args) -> int:
@@ -447,6 +481,18 @@ class Generator(CuttableGenerator):
             self.cli_args.prefill_step_size,
             compress,
         )
+
+
+class ReplayingProvider:
+    """The model provider, its model seen through `kv.ReplayingModel`, for
+    mlx-lm's one-at-a-time path."""
+
+    def __init__(self, provider):
+        self.provider = provider
+        self.model = ReplayingModel(provider.model)
+
+    def __getattr__(self, name):
+        return getattr(self.provider, name)
 
 
 class ReadForTheRequest:
