@@ -12,7 +12,7 @@ import veloxpatch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import passkey_key_layers  # noqa: E402
 
-OPTS = dict(bits=2, residual=32, kv_rotate="query_basis", kv_round="query")
+OPTS = dict(bits=2, residual=32)
 
 
 def test_layer_block_reads_ranges():

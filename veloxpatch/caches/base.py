@@ -459,7 +459,7 @@ class VeloxCache(RowStorage):
 
     @meta_state.setter
     def meta_state(self, m):
-        self.options = self.Options(**json.loads(m["options"]))
+        self.options = self.Options.from_saved(self.name, json.loads(m["options"]))
         self.offset = int(m["offset"])
         self.layer = int(m["layer"])
         self.num_layers = int(m["num_layers"])
