@@ -26,13 +26,13 @@ import functools
 
 import mlx.core as mx
 
+from .kv_quant import BITS
 from .quantized import (
     QuantizedStore,
     future_moment,
     rotation_signs,
     sinks_then_groups,
 )
-from .kv_quant import BITS
 from .qview import QuantizedView
 from .storage import PAD_POSITION
 

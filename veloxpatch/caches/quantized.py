@@ -42,7 +42,6 @@ group is quantized, saved with the state and counted in the bytes held:
 from __future__ import annotations
 
 import functools
-import math
 
 import mlx.core as mx
 import numpy as np
