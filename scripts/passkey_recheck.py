@@ -4,7 +4,7 @@ the index-th of the ten cases `veloxpatch eval --tasks passkey --protocol
 agnostic --cases 10 --seed <seed>` builds (its context, depth and number).
 
     .venv/bin/python scripts/passkey_recheck.py --cases 18:0,23:0,23:1,27:8,11:0 \\
-        --arms "kivi:bits=2,kv_rotate=query_basis,kv_round=query;..." \\
+        --arms "kivi:bits=2;..." \\
         --out scripts/results/passkey_key_side.json
 
 Arms are separated by ";" (their options by ","). Full runs with them.
