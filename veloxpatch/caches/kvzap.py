@@ -128,7 +128,7 @@ class KVzapOptions(EvictionOptions):
         check_int("window", self.window, 0)
         check_int("chunk", self.chunk, 1)
         check_number("floor", self.floor, 0, 1)
-        check_int("tail", self.tail, 0)
+        check_int("tail", self.tail, 0, 2**31 - 1)  # a slice bound: mlx takes int32
         check_choice("decode", self.decode, ("attention", "surrogate"))
         if not isinstance(self.layerwise, bool):
             raise OptionError(
