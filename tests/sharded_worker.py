@@ -71,24 +71,23 @@ def variants() -> list[tuple[str, str, dict]]:
 
 def held(cache) -> dict | None:
     """What a cache holds: per batch item and KV head the positions (padding
-    left out), per KV head the bit width, and how many rows are quantized."""
+    left out), the bit width, and how many rows are quantized."""
     if not isinstance(cache, VeloxCache):
         return None
     pos = cache.positions_view().tolist()
     store = getattr(cache, "store", None)
     return {
         "kept": [[sorted(p for p in h if p != PAD_POSITION) for h in b] for b in pos],
-        "bits": None if store is None else list(store.bits),
+        "bits": None if store is None else store.bits,
         "quantized": getattr(cache, "quantized", None),
     }
 
 
 def my_heads(whole: dict, lo: int, n: int) -> dict:
     """The whole model's cache of a layer, restricted to KV heads lo .. lo + n - 1."""
-    bits = whole["bits"]
     return {
         "kept": [b[lo : lo + n] for b in whole["kept"]],
-        "bits": None if bits is None else bits[lo : lo + n],
+        "bits": whole["bits"],
         "quantized": whole["quantized"],
     }
 
