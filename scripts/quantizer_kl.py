@@ -86,8 +86,7 @@ def main():
             rows.append({**row, "agreement": agree, "kv_bytes": kv})
             rows[-1]["decode_tok_per_s"] = rate
             print(
-                f"{seg} {arm.label:<24} KL {kl:.5f} agree {agree:.3f} "
-                f"{rate:.1f} tok/s",
+                f"{seg} {arm.label:<24} KL {kl:.5f} agree {agree:.3f} {rate:.1f} tok/s",
                 flush=True,
             )
     table = []

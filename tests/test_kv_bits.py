@@ -1,11 +1,9 @@
 """`kv_bits=` on eviction algorithms, and head-adaptive widths (also for `kivi`)."""
 
-import itertools
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import greedy, step_peak
+from helpers import step_peak
 from oracle import oracle_logits, run_patched
 from tiny import prompt_tokens, tiny_model
 
@@ -125,7 +123,9 @@ def test_quantized_rows_hold_fewer_bytes():
     ids = prompt_tokens(200)
     nbytes = {}
     for bits in (None, 8, 4, 2):
-        extra = {} if bits is None else dict(kv_bits=bits, kv_residual=0, kv_recipe="kivi")
+        extra = (
+            {} if bits is None else dict(kv_bits=bits, kv_residual=0, kv_recipe="kivi")
+        )
         with veloxpatch.patched(model, "tova", budget=160, **extra) as p:
             caches = p.make_cache()
             model(ids[None], cache=caches)

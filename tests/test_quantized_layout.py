@@ -9,8 +9,8 @@ from helpers import rel
 from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
-from veloxpatch.api import make_options
 from veloxpatch import KVQuant
+from veloxpatch.api import make_options
 from veloxpatch.caches.kivi import KIVICache, KIVIOptions
 from veloxpatch.caches.quantized import QuantizedRows
 from veloxpatch.caches.storage import PAD_POSITION
@@ -125,7 +125,9 @@ def test_nbytes_is_the_analytic_count_at_4000_tokens():
         k = mx.random.normal((B, H, T, D)).astype(dtype)
         v = mx.random.normal((B, H, T, D)).astype(dtype)
         for bits in (2, 3, 4, 8):
-            c = KIVICache(KIVIOptions(KVQuant(bits, group=32, residual=128, recipe="kivi")))
+            c = KIVICache(
+                KIVIOptions(KVQuant(bits, group=32, residual=128, recipe="kivi"))
+            )
             c._append(k, v, 0)
             c.after_attend(None, T)
             tq = (T - 128) // 32 * 32

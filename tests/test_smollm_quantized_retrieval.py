@@ -1,7 +1,6 @@
 """Real-model checks of `kv_bits` / `kivi` and of `a2ats` on SmolLM2."""
 
 import mlx.core as mx
-import numpy as np
 from conftest import smollm
 from helpers import greedy, max_abs
 

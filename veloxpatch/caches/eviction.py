@@ -68,9 +68,11 @@ class EvictionOptions(CacheOptions):
 
     @classmethod
     def option_names(cls):
-        return [n for n in super().option_names() if n != "quant"] + [
-            QUANT_PREFIX + k for k in FIELDS
-        ] + ["quant"]
+        return (
+            [n for n in super().option_names() if n != "quant"]
+            + [QUANT_PREFIX + k for k in FIELDS]
+            + ["quant"]
+        )
 
     @classmethod
     def fold(cls, options):

@@ -316,9 +316,10 @@ class QuantizedKV:
     @contextlib.contextmanager
     def _first_scales(self):
         """Rows quantized inside: the "query" recipe's first group sets the key
-        scales from the query sums so far, and its rounding factor from the queries' second moment moved to the next positions
-        (the store gets them only for this call: a sink alone sets none, and a
-        later group must read newer sums)."""
+        scales from the query sums so far, and its rounding factor from the
+        queries' second moment moved to the next positions (the store gets
+        them only for this call: a sink alone sets none, and a later group
+        must read newer sums)."""
         if self.query_power is not None:
             self.store.query_power = self.query_power / self.query_count
         # (a loaded cache settled before any call knows no rope: nearest rounding)

@@ -106,7 +106,9 @@ def take_quant(options: dict, prefix: str, required: bool) -> KVQuant | None:
     if not required and flat.get("bits") is None:
         given = [prefix + k for k, v in flat.items() if v is not None]
         if given:
-            raise OptionError(f"{given[0]} needs {prefix}bits: it shapes quantized rows")
+            raise OptionError(
+                f"{given[0]} needs {prefix}bits: it shapes quantized rows"
+            )
         return None
     try:
         return KVQuant(**flat)

@@ -46,6 +46,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
+
 def pack(codes: mx.array, bits: int) -> mx.array:
     """uint32 codes [..., n] (n a multiple of 32) -> mlx's packed words
     [..., n / 32 * bits]: code i at bits i*bits .. i*bits + bits - 1 of the
@@ -298,7 +299,9 @@ class QuantizedRows:
         vw, vs, vb = minmax_quantize(v, g, self.bits)
         new = dict(kw=kw, ks=ks, kb=kb, vw=vw, vs=vs, vb=vb)
         for name in self.NAMES:
-            a = _cat(getattr(self, name), new[name], 2 if name in self.PER_TOKEN else -1)
+            a = _cat(
+                getattr(self, name), new[name], 2 if name in self.PER_TOKEN else -1
+            )
             setattr(self, name, a)
 
     def logits(self, q: mx.array) -> mx.array:
