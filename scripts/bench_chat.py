@@ -30,7 +30,7 @@ user's question-specific compression to the other (a prompt-cache entry
 trimmed back to the shared document) fails it.
 
 An arm is `ALGO[:key=value,...]` (options sent as `--algo-arg`), e.g.
-`kivi:bits=2,kv_rotate=hadamard`: quantized rows through the same chat.
+`kivi:bits=2,recipe=kivi`: quantized rows through the same chat.
 
 Greedy decoding; a number is correct when its five digits appear in the reply
 with spaces removed.

@@ -59,7 +59,7 @@ def arms(args) -> dict[str, list[str]]:
     chunks = ["--algo-arg", "compress=chunks", "--algo-arg", f"chunk={args.chunk}"]
     snapkv = [*gen, "--algo", "snapkv", *bytes_, *step]
     kv4 = ["--algo-arg", "kv_bits=4"]
-    kv2 = ["--algo-arg", "kv_bits=2", "--algo-arg", "kv_rotate=hadamard"]
+    kv2 = ["--algo-arg", "kv_bits=2"]  # its default recipe: rotated, query-rounded
     return {
         "unpatched": [sys.executable, "-c", UNPATCHED],
         "full": [*gen, "--algo", "full", *step],
@@ -67,7 +67,7 @@ def arms(args) -> dict[str, list[str]]:
         "snapkv_chunks": [*snapkv, *chunks],
         # the same bytes hold 4- or 2-bit rows: more rows, each cheaper
         "snapkv_chunks_kv4": [*snapkv, *chunks, *kv4],
-        "snapkv_chunks_kv2_hadamard": [*snapkv, *chunks, *kv2],
+        "snapkv_chunks_kv2": [*snapkv, *chunks, *kv2],
     }
 
 

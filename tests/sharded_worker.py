@@ -43,8 +43,8 @@ QUANTIZE_FIRST = ("snapkv", "adakv", "qfilters", "expected_attention")
 
 def variants() -> list[tuple[str, str, dict]]:
     """(id, algo, options): every algorithm, kv_bits on those that quantize
-    before evicting, adaptive bit widths and adaptive head budgets (both shared
-    by all heads of a layer)."""
+    before evicting, the query recipe's rotation (signs drawn for every head of
+    a layer) and adaptive head budgets (shared by all heads of a layer)."""
     out = []
     for algo in veloxpatch.algos():
         opts = CONTRACT[algo]
@@ -52,11 +52,9 @@ def variants() -> list[tuple[str, str, dict]]:
         if algo in QUANTIZE_FIRST:
             assert has_option(algo, "kv_bits")
             out.append((f"{algo}-kv8", algo, {**opts, **QUANTIZED}))
-    # 2.5 bits a head: the two heads of a layer share 5, so they differ
-    adaptive = dict(kv_bits="adaptive", target_bits=2.5, kv_residual=4)
-    out.append(("snapkv-kvadaptive", "snapkv", {**CONTRACT["snapkv"], **adaptive}))
-    kivi = dict(bits="adaptive", target_bits=2.5, residual=4)
-    out.append(("kivi-adaptive", "kivi", kivi))
+    query = dict(kv_bits=2, kv_residual=4)  # the query recipe, 2 bits' default
+    out.append(("snapkv-kv2", "snapkv", {**CONTRACT["snapkv"], **query}))
+    out.append(("kivi-2", "kivi", dict(bits=2, residual=4)))
     # cut mid-call every 8 prompt tokens, the heads of every rank sharing rows
     out.append(("adakv-chunks", "adakv", {**CONTRACT["adakv"], **CHUNKED}))
     kvzip = {**CONTRACT["kvzip"], "layerwise": True}  # (pipeline: per layer)
@@ -73,24 +71,23 @@ def variants() -> list[tuple[str, str, dict]]:
 
 def held(cache) -> dict | None:
     """What a cache holds: per batch item and KV head the positions (padding
-    left out), per KV head the bit width, and how many rows are quantized."""
+    left out), the bit width, and how many rows are quantized."""
     if not isinstance(cache, VeloxCache):
         return None
     pos = cache.positions_view().tolist()
     store = getattr(cache, "store", None)
     return {
         "kept": [[sorted(p for p in h if p != PAD_POSITION) for h in b] for b in pos],
-        "bits": None if store is None else list(store.bits),
+        "bits": None if store is None else store.bits,
         "quantized": getattr(cache, "quantized", None),
     }
 
 
 def my_heads(whole: dict, lo: int, n: int) -> dict:
     """The whole model's cache of a layer, restricted to KV heads lo .. lo + n - 1."""
-    bits = whole["bits"]
     return {
         "kept": [b[lo : lo + n] for b in whole["kept"]],
-        "bits": None if bits is None else bits[lo : lo + n],
+        "bits": whole["bits"],
         "quantized": whole["quantized"],
     }
 

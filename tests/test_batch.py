@@ -75,9 +75,8 @@ def check_alone(model, patch, token_ids, caches, max_tokens=MAX_TOKENS):
 
 def grids_from_queries(patch) -> bool:
     """Quantized rows whose map or rounding is set from the queries' moment."""
-    o = patch.options
-    rotate = getattr(o, "kv_rotate", None)
-    return getattr(o, "kv_round", None) == "query" or rotate in ("query", "query_basis")
+    quant = getattr(patch.options, "quant", None)
+    return quant is not None and quant.rounds
 
 
 def assert_first_swap_is_a_near_tie(batched, alone, logprobs, tol=0.02):

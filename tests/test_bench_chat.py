@@ -136,10 +136,10 @@ def test_server_commands_stay_on_loopback():
     with pytest.raises(SystemExit):
         bc.server_command("h2o_typo", 256, 9)
     # options go to the server; quantized rows take no budget
-    cmd = bc.server_command("kivi:bits=2,kv_rotate=hadamard", 256, 9)
+    cmd = bc.server_command("kivi:bits=2,recipe=kivi", 256, 9)
     assert "--budget" not in cmd and cmd[cmd.index("--algo") + 1] == "kivi"
     args = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--algo-arg"]
-    assert args == ["bits=2", "kv_rotate=hadamard"]
+    assert args == ["bits=2", "recipe=kivi"]
     assert bc.server_label("snapkv:kv_bits=4", 256) == (
         "veloxpatch serve --algo snapkv --budget 256 --algo-arg kv_bits=4"
     )

@@ -8,7 +8,6 @@ ministral3, save/load, bounded bytes over a long decode, `offset`, option
 validation with a clear error, and restore by identity.
 """
 
-import dataclasses
 import gc
 import importlib
 import math
@@ -48,113 +47,28 @@ QUANTIZED = dict(kv_bits=8, kv_residual=4)
 CHUNKED = dict(compress="chunks", chunk=8)
 # snapkv at 2 bits: 40 rows, so whole 32-row groups are quantized before eviction
 SNAPKV_KV2 = dict(budget=40, window=4, kv_bits=2, kv_residual=4)
-# quantized rows stored rotated (TurboQuant), at 8 and at 2 bits, and other grids
+# each recipe (kv_quant.py) on kivi and under eviction: 2 bits' default is the
+# query recipe (scaled, rotated, rounded for the queries, a dense sink)
 ROTATED = [
-    ("kivi", dict(CONTRACT["kivi"], kv_rotate="hadamard"), "kivi-rot"),
-    ("kivi", dict(CONTRACT["kivi"], kv_keys="token"), "kivi-token"),
-    # keys scaled by the prompt's queries before the rotation, kept and evicted
-    ("kivi", dict(bits=2, residual=4, kv_rotate="query"), "kivi-query"),
-    (
-        "snapkv",
-        dict(SNAPKV_KV2, kv_rotate="query"),
-        "snapkv-kv2-query",
-    ),
-    # keys rounded with error feedback weighed by the queries to come
-    (
-        "kivi",
-        dict(bits=2, residual=4, kv_rotate="query", kv_round="query"),
-        "kivi-round",
-    ),
-    ("snapkv", dict(SNAPKV_KV2, kv_round="query"), "snapkv-kv2-round"),
-    # keys mapped to the queries' and keys' joint basis, with and without rounding
-    (
-        "kivi",
-        dict(bits=2, residual=4, kv_rotate="query_basis", kv_round="query"),
-        "kivi-basis-round",
-    ),
-    ("snapkv", dict(SNAPKV_KV2, kv_rotate="query_basis"), "snapkv-kv2-basis"),
-    (
-        "snapkv",
-        dict(SNAPKV_KV2, kv_rotate="hadamard", kv_keys="token", kv_scales="float16"),
-        "snapkv-kv2-token-rot",
-    ),
+    ("kivi", dict(bits=2, residual=4), "kivi-query"),
+    ("kivi", dict(bits=2, residual=4, recipe="kivi"), "kivi-2-plain"),
+    ("kivi", dict(CONTRACT["kivi"], recipe="query"), "kivi-8-query"),
+    ("snapkv", SNAPKV_KV2, "snapkv-kv2-query"),
+    ("snapkv", dict(SNAPKV_KV2, kv_recipe="kivi"), "snapkv-kv2-plain"),
     (
         "kvzip",
-        dict(
-            CONTRACT["kvzip"], budget=40, kv_bits=2, kv_residual=4, kv_rotate="hadamard"
-        ),
-        "kvzip-kv2-rot",
-    ),
-    # TurboQuant's 1-bit residual on keys
-    (
-        "kivi",
-        dict(bits=2, residual=4, kv_rotate="hadamard", kv_keys="token", kv_qjl=True),
-        "kivi-qjl",
-    ),
-    # TurboQuant's scalar quantizer, and mlx's mxfp4 (4 bits, no biases)
-    (
-        "kivi",
-        dict(
-            bits=2,
-            residual=4,
-            kv_rotate="hadamard",
-            kv_grid="gaussian",
-            kv_scales="float16",
-        ),
-        "kivi-gauss",
-    ),
-    (
-        "snapkv",
-        dict(budget=40, window=4, kv_bits=4, kv_residual=4, kv_grid="mxfp4"),
-        "snapkv-mxfp4",
-    ),
-    # the first rows held dense ahead of the quantized groups
-    (
-        "kivi",
-        dict(bits=2, residual=4, kv_rotate="hadamard", kv_sinks=2),
-        "kivi-sinks",
+        dict(CONTRACT["kvzip"], budget=40, kv_bits=2, kv_residual=4),
+        "kvzip-kv2-query",
     ),
     # dense sinks under eviction: heads keep different rows (Ada-KV), sinks stay
     (
         "h2o",
-        dict(
-            budget=40,
-            kv_bits=2,
-            kv_residual=4,
-            kv_rotate="hadamard",
-            kv_sinks=2,
-            head_budget="adaptive",
-        ),
-        "h2o-kv2-sinks-adaptive",
+        dict(budget=40, kv_bits=2, kv_residual=4, head_budget="adaptive"),
+        "h2o-kv2-adaptive",
     ),
     # keys at their own width, on kivi and on an evicting algorithm
-    (
-        "kivi",
-        dict(bits=2, key_bits=4, residual=4, kv_rotate="hadamard"),
-        "kivi-k4v2",
-    ),
-    (
-        "snapkv",
-        dict(SNAPKV_KV2, kv_key_bits=3),
-        "snapkv-k3v2",
-    ),
-    # logits debiased by the keys' rounding variance, with and without eviction
-    (
-        "kivi",
-        dict(bits=2, residual=4, kv_rotate="query", kv_debias=True),
-        "kivi-query-debias",
-    ),
-    (
-        "snapkv",
-        dict(SNAPKV_KV2, kv_rotate="hadamard", kv_debias=True),
-        "snapkv-kv2-debias",
-    ),
-    # the rows not quantized held in fp16 (an evicting algorithm compacts them)
-    (
-        "snapkv",
-        dict(SNAPKV_KV2, kv_dense="float16"),
-        "snapkv-dense16",
-    ),
+    ("kivi", dict(bits=2, key_bits=4, residual=4), "kivi-k4v2"),
+    ("snapkv", dict(SNAPKV_KV2, kv_key_bits=3), "snapkv-k3v2"),
 ]
 # kvzap's other mode: drop what scores under 0 (about half), capped by a budget
 THRESHOLD = [
@@ -173,7 +87,7 @@ TWO_BITS = 6.0
 
 
 def has_option(algo, name):
-    return name in {f.name for f in dataclasses.fields(algorithm(algo).Options)}
+    return name in algorithm(algo).Options.option_names()
 
 
 def variants():
@@ -347,10 +261,10 @@ def test_every_option_rejects_bad_values_clearly_and_changes_nothing(algo):
     module = importlib.import_module(type(model.layers[0].self_attn).__module__)
     original = module.Attention.__dict__["__call__"]
     base = resolve_options(model, CONTRACT[algo])
-    for field in dataclasses.fields(algorithm(algo).Options):
+    for name in algorithm(algo).Options.option_names():
         for value in BAD_VALUES:
             with pytest.raises(VeloxpatchError) as err:
-                veloxpatch.apply(model, algo=algo, **{**base, field.name: value})
+                veloxpatch.apply(model, algo=algo, **{**base, name: value})
             message = str(err.value)
             assert "\n" not in message
             assert veloxpatch.api.patch_of(model) is None

@@ -93,16 +93,14 @@ def test_arm_syntax():
 
 
 def test_arm_lists_with_several_options():
-    text = "full, snapkv:budget=256,window=16,kivi:bits=adaptive,target_bits=2.5,h2o"
+    text = "full, snapkv:budget=256,window=16,kivi:bits=2,recipe=kivi,h2o"
     assert split_arms(text) == [
         "full",
         "snapkv:budget=256,window=16",
-        "kivi:bits=adaptive,target_bits=2.5",
+        "kivi:bits=2,recipe=kivi",
         "h2o",
     ]
-    assert parse_arm(split_arms(text)[2]).options == dict(
-        bits="adaptive", target_bits=2.5
-    )
+    assert parse_arm(split_arms(text)[2]).options == dict(bits=2, recipe="kivi")
     with pytest.raises(OptionError):
         split_arms("budget=3,full")
 

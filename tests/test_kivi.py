@@ -63,7 +63,9 @@ def test_quantized_attention_stays_close_and_flushes_whole_groups():
     ref = model(ids[None])
     err = {}
     for bits in (8, 4, 2):
-        with veloxpatch.patched(model, "kivi", bits=bits, residual=8) as p:
+        with veloxpatch.patched(
+            model, "kivi", bits=bits, residual=8, recipe="kivi"
+        ) as p:
             caches = p.make_cache()
             got = [model(ids[None, :50], cache=caches)]
             for t in ids[50:].tolist():

@@ -1,16 +1,13 @@
 """`kv_bits=` on eviction algorithms, and head-adaptive widths (also for `kivi`)."""
 
-import itertools
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import greedy, step_peak
+from helpers import step_peak
 from oracle import oracle_logits, run_patched
 from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
-from veloxpatch.caches.kv_bits import allocate_bits, layer_total
 from veloxpatch.errors import OptionError
 
 N, CHUNKS = 112, [30, 25, 20]  # prefill chunks, then single-token decode
@@ -83,10 +80,10 @@ def test_two_bits_really_quantizes():
         dict(kv_bits=4, kv_group=64),  # does not divide head dim 32
         dict(kv_bits=4, kv_residual=-1),
         dict(kv_bits="adaptive"),
-        dict(kv_bits="adaptive", target_bits=1.5),
-        dict(kv_bits="adaptive", target_bits=4.5),
-        dict(kv_bits=4, target_bits=3),
-        dict(target_bits=3),
+        dict(kv_bits=4, kv_key_bits=5),
+        dict(kv_bits=4, kv_recipe="hadamard"),
+        dict(kv_bits=4, kv_rotate="query"),  # retired
+        dict(kv_group=64),  # needs kv_bits
     ],
 )
 def test_option_errors_change_nothing(opts):
@@ -102,76 +99,8 @@ def test_option_errors_change_nothing(opts):
     assert veloxpatch.api.patch_of(model) is None
 
 
-def test_allocation_spends_the_total_on_the_spread_out_heads():
-    entropy = [0.5, 3.0, 1.0, 2.2, 0.1, 2.9]
-    for total in range(12, 25):
-        bits = allocate_bits(entropy, total)
-        assert sum(bits) == total and set(bits) <= {2, 3, 4}
-        order = np.argsort(entropy)
-        assert all(np.diff(np.array(bits)[order]) >= 0)  # monotone in entropy
-
-
-def test_allocation_follows_the_heads_when_permuted():
-    entropy = [0.7, 1.9, 1.9, 0.2, 1.3]  # a tie
-    for total in range(10, 21):
-        bits = allocate_bits(entropy, total)
-        for perm in itertools.permutations(range(5)):
-            permuted = allocate_bits([entropy[p] for p in perm], total)
-            assert permuted == tuple(bits[p] for p in perm)
-        assert bits[1] == bits[2]  # tied heads are served alike
-        assert total - 1 <= sum(bits) <= total  # a tie may leave one bit over
-
-
-def test_layer_totals_hit_the_model_mean():
-    for target, heads, layers in [(2.5, 3, 30), (2.7, 2, 7), (3.0, 5, 4), (2.2, 3, 3)]:
-        totals = [layer_total(target, heads, layer) for layer in range(layers)]
-        assert sum(totals) == round(target * heads * layers)
-        assert all(2 * heads <= t <= 4 * heads for t in totals)
-
-
 @pytest.mark.parametrize(
-    "algo,opts",
-    [
-        ("kivi", dict(bits="adaptive", residual=4)),
-        ("snapkv", dict(budget=48, window=4, kv_bits="adaptive", kv_residual=4)),
-    ],
-)
-def test_adaptive_widths_come_at_the_end_of_the_prompt(algo, opts):
-    model = tiny_model("qwen3", head_dim=32, num_hidden_layers=4)
-    ids = prompt_tokens(90)
-    with veloxpatch.patched(model, algo, target_bits=2.5, **opts) as patch:
-        caches = patch.make_cache()
-        model(ids[None, :80], cache=caches)
-        assert all(c.quantized == 0 for c in caches)  # the prompt is kept as is
-        patch.end_prompt(caches)
-        for t in ids[80:].tolist():
-            model(mx.array([[t]]), cache=caches)
-        widths = [c.store.bits for c in caches]
-    assert all(c.quantized > 0 for c in caches)
-    flat = [b for w in widths for b in w]
-    assert set(flat) <= {2, 3, 4} and np.mean(flat) == 2.5
-    assert len(set(flat)) > 1
-
-
-@pytest.mark.parametrize("prompt", [1, 2])
-def test_adaptive_widths_come_without_a_prompt_end_too(prompt):
-    # mlx-lm sends a 1- or 2-token prompt as lone tokens, which never end a
-    # prompt: the widths come once a group is past the residual (the rows stayed
-    # in full precision, over any byte budget, for the whole generation)
-    model = tiny_model("qwen3", head_dim=32, num_hidden_layers=4)
-    ids = prompt_tokens(prompt)
-    opts = dict(bits="adaptive", target_bits=3, residual=4)
-    with veloxpatch.patched(model, "kivi", **opts) as patch:
-        caches = patch.make_cache()
-        greedy(model, ids, n=60, prompt_cache=caches)
-        widths = [c.store.bits for c in caches if c.store is not None]
-        assert all(c.quantized >= 32 and c.keys.shape[2] < 4 + 32 for c in caches)
-    flat = [b for w in widths for b in w]
-    assert len(widths) == 4 and set(flat) <= {2, 3, 4} and np.mean(flat) == 3
-
-
-@pytest.mark.parametrize(
-    "opts", [dict(kv_bits=4), dict(kv_bits="adaptive", target_bits=3)]
+    "opts", [dict(kv_bits=4), dict(kv_bits=2), dict(kv_bits=2, kv_key_bits=4)]
 )
 def test_save_load_and_clone_keep_the_quantized_rows(tmp_path, opts):
     model = tiny_model("llama", head_dim=32)
@@ -194,7 +123,9 @@ def test_quantized_rows_hold_fewer_bytes():
     ids = prompt_tokens(200)
     nbytes = {}
     for bits in (None, 8, 4, 2):
-        extra = {} if bits is None else dict(kv_bits=bits, kv_residual=0)
+        extra = (
+            {} if bits is None else dict(kv_bits=bits, kv_residual=0, kv_recipe="kivi")
+        )
         with veloxpatch.patched(model, "tova", budget=160, **extra) as p:
             caches = p.make_cache()
             model(ids[None], cache=caches)
@@ -205,12 +136,10 @@ def test_quantized_rows_hold_fewer_bytes():
 @pytest.mark.parametrize(
     "opts, at_boundary_exact",
     [
-        (dict(bits=2, residual=4), True),
-        (dict(bits=2, residual=4, kv_rotate="hadamard", kv_sinks=0), True),
-        # the key scales were set from the queries of every token so far
-        (dict(bits=2, residual=4, kv_rotate="query", kv_sinks=0), False),
+        (dict(bits=2, residual=4, recipe="kivi"), True),
+        (dict(bits=4, residual=4), True),
     ],
-    ids=["plain", "rotated", "query-scaled"],
+    ids=["plain-2", "plain-4"],
 )
 def test_a_trim_into_a_quantized_group_is_not_reused_as_exact(opts, at_boundary_exact):
     # the server reuses a trimmed prompt-cache entry only if trimmed_exactly: a
@@ -240,7 +169,7 @@ def test_a_trim_back_past_groups_quantized_later_is_not_reused_but_equals_fresh(
 
     model = tiny_model("llama", head_dim=64)
     ids = prompt_tokens(140)
-    with veloxpatch.patched(model, "kivi", bits=2, residual=32) as patch:
+    with veloxpatch.patched(model, "kivi", bits=2, residual=32, recipe="kivi") as patch:
         got = {}
         for keep in (100, 130):
             caches = patch.make_cache()
@@ -261,26 +190,6 @@ def test_a_trim_back_past_groups_quantized_later_is_not_reused_but_equals_fresh(
                     atol=1e-5,
                 )
     assert got == {100: False, 130: True}
-
-
-def test_adaptive_widths_chosen_at_a_prompt_end_are_not_reused_for_another():
-    # the widths read the attention of that prompt's last tokens: trimmed back
-    # into the prompt, the entry would hand them to another user's prompt; a
-    # next turn (only generated tokens trimmed) still reuses it
-    from veloxpatch.serve.kv import trimmed_exactly
-
-    model = tiny_model("llama", head_dim=64)
-    opts = dict(bits="adaptive", target_bits=3, residual=8)
-    got = {}
-    with veloxpatch.patched(model, "kivi", **opts) as patch:
-        for keep in (110, 121):  # 96 rows quantized either way, as fresh
-            caches = patch.make_cache()
-            greedy(model, prompt_tokens(120), n=4, prompt_cache=caches)
-            for c in caches:
-                c.trim(c.offset - keep)
-            assert caches[0].quantized == 96
-            got[keep] = trimmed_exactly(caches, keep)
-    assert got == {110: False, 121: True}
 
 
 @pytest.mark.parametrize("algo", ["h2o", "knorm"])

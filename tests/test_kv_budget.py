@@ -108,21 +108,10 @@ def test_quantized_rows_convert_exactly():
         ("kvzip", dict(window=4)),
         ("h2o", dict(kv_bits=4, kv_residual=8)),
         ("snapkv", dict(window=4, kv_bits=2, kv_residual=8)),
-        ("tova", dict(kv_bits="adaptive", target_bits=3, kv_residual=8)),
-        ("h2o", dict(kv_bits=2, kv_residual=0, kv_rotate="hadamard", kv_sinks=4)),
+        ("tova", dict(kv_bits=3, kv_residual=8)),
+        ("h2o", dict(kv_bits=2, kv_residual=0)),  # a dense sink, the factor
         ("h2o", dict(kv_bits=2)),  # all within the residual: no holes
-        ("snapkv", dict(window=4, kv_bits=2, kv_rotate="hadamard")),
-        # the rounding factor and the query basis count too
-        (
-            "snapkv",
-            dict(
-                window=4,
-                kv_bits=2,
-                kv_rotate="query_basis",
-                kv_round="query",
-                kv_residual=8,
-            ),
-        ),
+        ("snapkv", dict(window=4, kv_bits=2, kv_key_bits=4, kv_recipe="kivi")),
     ],
 )
 def test_bytes_held_stay_within_max_kv_bytes(algo, opts):
@@ -153,20 +142,23 @@ def test_rows_within_the_residual_cost_what_dense_rows_cost():
         assert budget_of("h2o", max_kv_bytes=60_000, kv_bits=bits) >= 0.9 * dense
 
 
-def test_dense_sinks_are_priced_as_dense_rows():
-    # each of a layer's KV heads holds kv_sinks rows dense instead of quantized
+def test_the_query_recipe_prices_its_dense_sink_and_rounding_factor():
+    # each KV head holds its first row dense, and an 8-bit triangle a head
     from model_adapters import adapter_for
+    from veloxpatch import KVQuant
     from veloxpatch.caches import ALGORITHMS
     from veloxpatch.caches.kv_budget import bound_bytes, slot_bytes
 
     model = tiny_model("llama", head_dim=32)
     dims = adapter_for(model).dims(model)
-    opts = dict(budget=64, kv_bits=2, kv_residual=0, kv_rotate="hadamard")
-    none = ALGORITHMS["h2o"].Options(**opts, kv_sinks=0)
-    three = ALGORITHMS["h2o"].Options(**opts, kv_sinks=3)
-    extra = bound_bytes(three, dims, 4, 64) - bound_bytes(none, dims, 4, 64)
-    per_row = slot_bytes(none, 32, 4, False) - slot_bytes(none, 32, 4, True)
-    assert extra == pytest.approx(3 * per_row * LAYERS_HEADS)
+    h2o = ALGORITHMS["h2o"].Options
+    plain = h2o(budget=64, quant=KVQuant(2, residual=0, recipe="kivi"))
+    query = h2o(budget=64, quant=KVQuant(2, residual=0, recipe="query"))
+    extra = bound_bytes(query, dims, 4, 64) - bound_bytes(plain, dims, 4, 64)
+    q = query.quant
+    per_row = slot_bytes(q, 32, 4, False) - slot_bytes(q, 32, 4, True)
+    factor = 32 * 31 // 2 + 4
+    assert extra == pytest.approx((per_row + factor) * LAYERS_HEADS)
 
 
 def test_kvzap_prices_the_tail_it_holds_while_the_prompt_is_read():

@@ -2,7 +2,6 @@
 either refused with one clear line before anything is patched, or accepted, and
 then a short generation gives finite log-probabilities."""
 
-import dataclasses
 import math
 
 import mlx.core as mx
@@ -29,7 +28,7 @@ MODEL = tiny_model("llama", head_dim=HEAD_DIM, num_hidden_layers=2)
 
 
 def fields(algo):
-    return [f.name for f in dataclasses.fields(algorithm(algo).Options)]
+    return algorithm(algo).Options.option_names()
 
 
 def run_short(model, algo, options):

@@ -16,7 +16,7 @@ import passkey_key_layers  # noqa: E402
 # a study's tests: deselected by default, run with `pytest -m study`
 pytestmark = pytest.mark.study
 
-OPTS = dict(bits=2, residual=32, kv_rotate="query_basis", kv_round="query")
+OPTS = dict(bits=2, residual=32)
 
 
 def test_layer_block_reads_ranges():
@@ -34,8 +34,8 @@ def test_only_the_block_is_widened_and_read_nearer_exact():
         caches = patch.make_cache()
         passkey_key_layers.widen_keys(caches, passkey_key_layers.layer_block("1-2"), 8)
         mx.eval(model(ids, cache=caches))  # one call: every layer sees exact rows
-        assert [c.store.parts[0].key_bits for c in caches] == [2, 8, 8, 2]
-        assert [c.options.key_bits for c in caches] == [None, 8, 8, None]
+        assert [c.store.part.key_bits for c in caches] == [2, 8, 8, 2]
+        assert [c.options.quant.key_bits for c in caches] == [None, 8, 8, None]
         assert caches[0].options is caches[3].options  # the others keep the arm's
         errors = []
         for c, e in zip(caches, exact):

@@ -9,6 +9,7 @@ from helpers import rel
 from tiny import prompt_tokens, tiny_model
 
 import veloxpatch
+from veloxpatch import KVQuant
 from veloxpatch.api import make_options
 from veloxpatch.caches.kivi import KIVICache, KIVIOptions
 from veloxpatch.caches.quantized import QuantizedRows
@@ -81,7 +82,7 @@ def identity_rope(x, offset=0):
 def test_attention_on_the_layout_equals_dense_on_dequantized(bits, hq, hkv):
     mx.random.seed(bits)
     D, g = 64, 32
-    cache = KIVICache(KIVIOptions(bits=bits, group=g, residual=20))
+    cache = KIVICache(KIVIOptions(KVQuant(bits, group=g, residual=20, recipe="kivi")))
     seen = []
     spy(cache, seen)
     chunks = [45, 30, 33] + [1] * 40  # chunked prefill, then decode
@@ -124,7 +125,9 @@ def test_nbytes_is_the_analytic_count_at_4000_tokens():
         k = mx.random.normal((B, H, T, D)).astype(dtype)
         v = mx.random.normal((B, H, T, D)).astype(dtype)
         for bits in (2, 3, 4, 8):
-            c = KIVICache(KIVIOptions(bits=bits, group=32, residual=128))
+            c = KIVICache(
+                KIVIOptions(KVQuant(bits, group=32, residual=128, recipe="kivi"))
+            )
             c._append(k, v, 0)
             c.after_attend(None, T)
             tq = (T - 128) // 32 * 32
@@ -187,42 +190,6 @@ def test_eviction_leaves_holes_then_compaction_keeps_whole_groups_exact():
     got, ref = rows_k[0, 1, 32:64], ref_k[0, 1, 32:64]
     assert rel(got, ref) < 0.2 and not mx.array_equal(got, ref)
     assert cache.positions_view().tolist() == idx.tolist()
-
-
-@pytest.mark.parametrize(
-    "extra",
-    [
-        dict(kv_keys="token", kv_qjl=True),
-        dict(kv_keys="token", kv_grid="gaussian"),
-        dict(kv_grid="gaussian"),
-    ],
-)
-def test_compaction_keeps_rows_stored_per_token_as_they_were_quantized(extra):
-    # Values, and keys per token (their QJL signs too), are quantized a row at a
-    # time: regrouping survivors of broken groups moves their codes as they are.
-    # (Requantizing the dequantized rows baked the QJL estimate into the keys and
-    # moved Gaussian-grid codes, an error that grew with every compaction.)
-    opts = dict(budget=64, kv_bits=4, kv_residual=0, **extra)
-    cls, opts = make_options("streaming_llm", opts)
-    cache = cls.for_options(opts)(opts)
-    mx.random.seed(4)
-    k, v = mx.random.normal((1, 2, 112, 32)), mx.random.normal((1, 2, 112, 32))
-    cache._append(k, v, 0)
-    cache._settle()
-    bk, bv = dense_slots(cache._view()[0])
-    # head 1 keeps parts of groups 1 and 2: its rows 32-63 are regrouped
-    idx = mx.array([[list(range(70)), list(range(32)) + list(range(40, 78))]])
-    cache.keep_rows(idx)
-    cache._compact()
-    assert cache.quantized == 64
-    ak, av = dense_slots(cache._view()[0])
-    for after, before, per_token in ((ak, bk, "kv_keys" in extra), (av, bv, True)):
-        got = mx.take_along_axis(after, cache.slot[..., None], 2)[0, 1, :64]
-        want = mx.take_along_axis(before, idx[..., None], 2)[0, 1, :64]
-        if per_token:
-            assert mx.array_equal(got, want)
-        else:  # keys per channel share a grid with another group's rows now
-            assert 0 < rel(got, want) < 0.3
 
 
 @pytest.mark.parametrize("tiles", [False, True], ids=["one call", "tiles"])

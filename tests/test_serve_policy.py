@@ -258,7 +258,7 @@ def serve_with_system(model, store, system, ask, n=6):
     [
         ("kivi", dict(bits=2, group=32, residual=8)),
         # keys rounded for the system prompt's queries: its entry keeps them
-        ("kivi", dict(bits=2, group=32, residual=8, kv_round="query")),
+        ("kivi", dict(bits=2, group=32, residual=8)),
         ("streaming_llm", dict(budget=40)),
         ("kvzip", dict(budget=40)),
     ],
@@ -294,7 +294,7 @@ ONE_AT_A_TIME = [
     ("kvzip", dict(budget=40)),
     ("kivi", dict(bits=2, group=32, residual=8)),
     ("snapkv", dict(budget=24, window=8)),
-    ("kivi", dict(bits=2, group=32, residual=8, kv_round="query")),
+    ("kivi", dict(bits=2, group=32, residual=8)),
 ]
 
 

@@ -1,7 +1,6 @@
-"""Real-model checks of `kv_bits` / adaptive widths and of `a2ats` on SmolLM2."""
+"""Real-model checks of `kv_bits` / `kivi` and of `a2ats` on SmolLM2."""
 
 import mlx.core as mx
-import numpy as np
 from conftest import smollm
 from helpers import greedy, max_abs
 
@@ -29,19 +28,6 @@ def test_snapkv_with_8_bit_rows_generates_what_snapkv_does(loaded):
     kl = (mx.exp(ref) * (ref - lp8)).sum(-1).max().item()
     assert runs[8][0] == runs[None][0] and kl < 0.01
     assert runs[None][2] > runs[8][2] > runs[4][2]
-
-
-@smollm
-def test_adaptive_widths_on_smollm(loaded):
-    # 30 layers x 3 KV heads at a 2.5 target: 225 bits in all, spread by entropy.
-    model, tokenizer = loaded
-    prompt = mx.array(prose_tokens(tokenizer, 300, start=12000))
-    with veloxpatch.patched(model, "kivi", bits="adaptive", target_bits=2.5) as p:
-        caches = p.make_cache()
-        greedy(model, prompt, n=3, prefill_step_size=256, prompt_cache=caches)
-    widths = np.array([c.store.bits for c in caches])
-    assert widths.shape == (30, 3) and widths.sum() == 225
-    assert set(widths.ravel()) <= {2, 3, 4} and len(set(widths.ravel())) > 1
 
 
 @smollm
@@ -96,47 +82,12 @@ def kivi_continuation_kl(model, tokenizer, start, option_sets, chunk=576):
 
 
 @smollm
-def test_three_bit_keys_bring_rotated_two_bit_rows_closer_to_the_model(loaded):
-    # At 2 bits the keys' rounding carries most of the KL (docs/results.md):
-    # keys at 3 bits cut it several-fold on real text; their codes weigh 1.5x.
-    opts = dict(bits=2, residual=16, kv_rotate="hadamard")
-    (kl2, c2), (kl3, c3) = kivi_continuation_kl(
-        *loaded, 21000, [opts, dict(opts, key_bits=3)]
+def test_default_2_bit_rows_stay_close_to_the_model(loaded):
+    # kv_bits=2 alone is the query recipe (kv_quant.py); its KL on committed
+    # runs is about 0.01-0.02, plain 2-bit KIVI's about 0.16: a broken scaling,
+    # rotation or rounding lands far above this loose bound
+    ((kl, cache),) = kivi_continuation_kl(
+        *loaded, 33000, [dict(bits=2, residual=16)], chunk=256
     )
-    assert kl3 < 0.5 * kl2
-    held2, held3 = c2.store.parts[0], c3.store.parts[0]
-    assert held3.kw.nbytes * 2 == held2.kw.nbytes * 3
-    assert held3.vw.nbytes == held2.vw.nbytes
-
-
-@smollm
-def test_keys_rounded_for_the_queries_bring_2_bit_rows_closer_to_the_model(loaded):
-    # kv_round="query" on real text, the prompt read in chunks (the factor is
-    # set from the first chunk's queries), then a teacher-forced continuation
-    opts = dict(bits=2, residual=16, kv_rotate="query")
-    (nearest, c1), (rounded, c2) = kivi_continuation_kl(
-        *loaded, 33000, [opts, dict(opts, kv_round="query")], chunk=256
-    )
-    assert c1.store.key_factor is None and c2.store.key_factor is not None
-    assert rounded < 0.7 * nearest
-
-
-@smollm
-def test_keys_in_the_query_basis_bring_2_bit_rows_closer_than_scaled_channels(loaded):
-    # kv_rotate="query_basis" on real text, the prompt read in chunks (the map
-    # is set from the first chunk's queries), then a teacher-forced continuation.
-    # Pooled over four starts: by start the ratio is a draw over rounding
-    # choices, 0.64 to 1.05 of scaled's KL here (each eigenvector's sign fixed),
-    # 0.937 pooled; with LAPACK's signs it was 0.73 to 0.98, 0.90 pooled
-    opts = dict(bits=2, residual=16)
-    scaled = mapped = 0.0
-    for start in (27000, 5000, 12000, 36000):
-        (kl_scaled, c1), (kl_mapped, c2) = kivi_continuation_kl(
-            *loaded,
-            start,
-            [dict(opts, kv_rotate="query"), dict(opts, kv_rotate="query_basis")],
-            chunk=256,
-        )
-        assert c1.store.key_unmap is None and c2.store.key_unmap is not None
-        scaled, mapped = scaled + kl_scaled, mapped + kl_mapped
-    assert mapped < scaled
+    assert cache.store.key_factor is not None and cache.store.signs is not None
+    assert kl < 0.08

@@ -12,6 +12,7 @@ _EXPORTS = {
     "unpatch": "api",
     "algos": "api",
     "Patch": "api",
+    "KVQuant": "caches.kv_quant",
     "load": "loading.models",
     "save_cache": "caches.io",
     "load_cache": "caches.io",

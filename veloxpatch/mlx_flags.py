@@ -39,11 +39,8 @@ def check_kv_bits(kv_bits) -> None:
 def budget_options(cache_cls, options: dict, max_kv_size: int) -> dict:
     """The options that make `max_kv_size` the budget of `cache_cls`'s
     algorithm, or a clear error."""
-    import dataclasses
-
     algo = cache_cls.name
-    fields = {f.name for f in dataclasses.fields(cache_cls.Options)}
-    if "budget" not in fields:
+    if "budget" not in cache_cls.Options.option_names():
         raise UnsupportedCacheOperation(
             f"max_kv_size={max_kv_size}: {algo!r} has no budget (it keeps every "
             "token); patch with an evicting algorithm (its budget is max_kv_size) "

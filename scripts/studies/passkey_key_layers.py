@@ -8,7 +8,7 @@ replayed (as passkey_margin.py's arms read it): the two differ only in float
 rounding, so their difference is the noise any block's must exceed.
 
     .venv/bin/python scripts/studies/passkey_key_layers.py --seeds 52-53 \\
-        --arms "kivi:bits=2,kv_rotate=query_basis,kv_round=query" \\
+        --arms "kivi:bits=2" \\
         --blocks 0-14,15-24,25-29,0-29 \\
         --out scripts/studies/results/passkey_key_layers.json
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 
 from veloxpatch import blas
 
@@ -49,8 +50,7 @@ def widen_keys(caches, layers, bits: int) -> None:
     for c in caches:
         if isinstance(c, VeloxCache) and c.layer in layers:
             options = copy.copy(c.options)
-            name = "key_bits" if hasattr(options, "key_bits") else "kv_key_bits"
-            setattr(options, name, bits)
+            options.quant = dataclasses.replace(options.quant, key_bits=bits)
             c.options = options
 
 

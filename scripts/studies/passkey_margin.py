@@ -7,7 +7,7 @@ equally rarely still differ in how near they come, paired case by case with
 full, on far fewer cases than pass rates need.
 
     .venv/bin/python scripts/studies/passkey_margin.py --seeds 42-51 \\
-        --arms "kivi:bits=2,kv_rotate=hadamard;kivi:bits=2,key_bits=3,..." \\
+        --arms "kivi:bits=2;kivi:bits=2,key_bits=3,..." \\
         --out scripts/studies/results/passkey_margin.json
 
 Arms are separated by ";" (their options by ","). Full runs with them; cases

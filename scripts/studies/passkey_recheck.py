@@ -5,7 +5,7 @@ agnostic --cases 10 --seed <seed>` builds (its context, depth and number).
 
     .venv/bin/python scripts/studies/passkey_recheck.py \\
         --cases 18:0,23:0,23:1,27:8,11:0 \\
-        --arms "kivi:bits=2,kv_rotate=query_basis,kv_round=query;..." \\
+        --arms "kivi:bits=2;..." \\
         --out scripts/studies/results/passkey_key_side.json
 
 Arms are separated by ";" (their options by ","). Full runs with them.

@@ -1,19 +1,14 @@
-"""Which grid for quantized rows (`kv_grid`, `veloxpatch/caches/quantized.py`):
-the KIVI paper's min/max grid, mlx's affine quantizer (`mx.quantize`),
-TurboQuant's scalar quantizer for rotated rows ("gaussian") and mlx's mxfp4
-(4 bits only), all read by mlx's quantized kernels.
+"""KL of quantized rows against full precision on SmolLM2 (`veloxpatch/caches/
+kv_quant.py`: each width's default recipe, or `recipe=` to compare).
 
-On SmolLM2, per prose segment: prefill `--context` tokens, then teacher-force
+Per prose segment: prefill `--context` tokens, then teacher-force
 `--continuation` tokens one per call; mean KL(full || arm) and greedy agreement
-of each arm with each grid, its KV bytes, and the tok/s of that teacher-forced
-decode (one token per call, flushes included). Also times one flush (quantizing
-`group` rows of every KV head of a layer) with each grid: decoding runs the same
-kernels on the affine grids, flushes are where they differ. A grid an arm cannot
-take (mxfp4 at 2 bits) is skipped.
+of each arm, its KV bytes, the tok/s of that teacher-forced decode (one token
+per call, flushes included) and the time of one flush (quantizing `group` rows
+of every KV head of a layer).
 
-    .venv/bin/python scripts/studies/quantizer_kl.py --context 2000 --continuation 128
-    .venv/bin/python scripts/studies/quantizer_kl.py --grids minmax,gaussian,mxfp4 \
-        --arms kivi:bits=2,kv_rotate=hadamard,... --out ...
+    .venv/bin/python scripts/studies/quantizer_kl.py --context 2000 --continuation 256 \
+        --segments 2 --arms kivi:bits=2,kivi:bits=2,recipe=kivi --text evaluation
 """
 
 from __future__ import annotations
@@ -29,9 +24,7 @@ blas.preload()
 import mlx.core as mx  # noqa: E402
 
 import veloxpatch  # noqa: E402
-from veloxpatch.api import make_options  # noqa: E402
 from veloxpatch.caches import quantized  # noqa: E402
-from veloxpatch.errors import OptionError  # noqa: E402
 from veloxpatch.eval.arms import Arm, parse_arm, split_arms  # noqa: E402
 from veloxpatch.eval.metrics import (  # noqa: E402
     agreement_and_kl,
@@ -44,30 +37,17 @@ from veloxpatch.memory import kv_bytes  # noqa: E402
 from veloxpatch.prose import prose_segments  # noqa: E402
 
 
-def flush_ms(grid: str, bits: int, group: int = 32, repeats: int = 200) -> float:
+def flush_ms(bits: int, group: int = 32, repeats: int = 200) -> float:
     """Median ms to quantize one flush of keys (transposed) and values:
     3 KV heads, `group` rows, head dim 64 (SmolLM2's layer)."""
     k = mx.random.normal((1, 3, group, 64))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        mx.eval(*quantized.quantize(k.swapaxes(-1, -2), group, bits, grid)[:2])
-        mx.eval(*quantized.quantize(k, group, bits, grid)[:2])
+        mx.eval(*quantized.minmax_quantize(k.swapaxes(-1, -2), group, bits)[:2])
+        mx.eval(*quantized.minmax_quantize(k, group, bits)[:2])
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
-
-
-def gridded(arm: Arm, grid: str | None) -> Arm | None:
-    """`arm` with its rows on `grid` (None: as the arm says), or None where it
-    cannot take that grid."""
-    if grid is None:
-        return arm
-    new = Arm(arm.algo, {**arm.options, "kv_grid": grid})
-    try:
-        make_options(new.algo, new.options)
-    except OptionError:
-        return None
-    return new
 
 
 def timed_logprobs(model, arm, context, cont):
@@ -86,46 +66,37 @@ def main():
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--segments", type=int, default=1)
     ap.add_argument("--arms", default="kivi:bits=2,kivi:bits=3,kivi:bits=4")
-    ap.add_argument("--grids", default="mlx,minmax", help="'': each arm's own")
     ap.add_argument("--text", default="evaluation", help="or licenses-evaluation")
     ap.add_argument("--out", default="scripts/studies/results/quantizer_kl.json")
     args = ap.parse_args()
     info = run_info()
     model, tokenizer = veloxpatch.load()
     arms = [parse_arm(t) for t in split_arms(args.arms)]
-    grids = [g.strip() for g in args.grids.split(",") if g.strip()] or [None]
-    runs = [(a, g, gridded(a, g)) for a in arms for g in grids]
-    runs = [(a, g or a.options.get("kv_grid", "minmax"), r) for a, g, r in runs]
-    for arm, grid, _ in [r for r in runs if r[2] is None]:
-        print(f"skipped: {arm.label} cannot take kv_grid={grid}", flush=True)
-    runs = [r for r in runs if r[2] is not None]
     stretches = prose_segments(
         tokenizer, args.context, args.continuation, args.segments, args.text
     )
     rows = []
     for seg, (context, cont) in enumerate(stretches):
         ref, _, _ = timed_logprobs(model, Arm("full"), context, cont)
-        for arm, grid, run in runs:
-            lp, kv, rate = timed_logprobs(model, run, context, cont)
+        for arm in arms:
+            lp, kv, rate = timed_logprobs(model, arm, context, cont)
             agree, kl = agreement_and_kl(lp, ref)
-            row = dict(segment=seg, arm=arm.label, grid=grid, kl=kl)
+            row = dict(segment=seg, arm=arm.label, kl=kl)
             row["perplexity"] = perplexity(lp, cont)
             rows.append({**row, "agreement": agree, "kv_bytes": kv})
             rows[-1]["decode_tok_per_s"] = rate
             print(
-                f"{seg} {arm.label:<24} {grid:<7} KL {kl:.5f} agree {agree:.3f} "
-                f"{rate:.1f} tok/s",
+                f"{seg} {arm.label:<24} KL {kl:.5f} agree {agree:.3f} {rate:.1f} tok/s",
                 flush=True,
             )
     table = []
-    for arm, grid, _ in runs:
-        mine = [r for r in rows if r["arm"] == arm.label and r["grid"] == grid]
+    for arm in arms:
+        mine = [r for r in rows if r["arm"] == arm.label]
         bits = arm.options.get("bits", arm.options.get("kv_bits", 2))
         group = arm.options.get("group", arm.options.get("kv_group", 32))
         table.append(
             {
                 "arm": arm.label,
-                "grid": grid,
                 "kl": statistics.mean(r["kl"] for r in mine),
                 "agreement": statistics.mean(r["agreement"] for r in mine),
                 "perplexity": statistics.mean(r["perplexity"] for r in mine),
@@ -133,12 +104,12 @@ def main():
                 "decode_tok_per_s": statistics.median(
                     r["decode_tok_per_s"] for r in mine
                 ),
-                "flush_ms": flush_ms(grid, bits, group),
+                "flush_ms": flush_ms(bits, group),
             }
         )
     for t in table:
         print(
-            f"{t['arm']:<24} {t['grid']:<7} KL {t['kl']:.5f} "
+            f"{t['arm']:<24} KL {t['kl']:.5f} "
             f"agree {t['agreement']:.3f} {t['decode_tok_per_s']:.1f} tok/s "
             f"flush {t['flush_ms']:.3f} ms"
         )

@@ -200,7 +200,7 @@ class VeloxCache(RowStorage):
             self.probe(seen)
         keys, values = self._append(k, v, offset)
         out = self.attention(q, keys, values, self._mask(L, offset, q.shape[1]), scale)
-        if out.dtype != q.dtype:  # rows held in another dtype (kv_dense="float16")
+        if out.dtype != q.dtype:  # rows held in another dtype
             out = out.astype(q.dtype)
         self.offset = offset + L
         self.after_attend(q, L)
@@ -468,7 +468,7 @@ class VeloxCache(RowStorage):
 
     @meta_state.setter
     def meta_state(self, m):
-        self.options = self.Options(**json.loads(m["options"]))
+        self.options = self.Options.from_saved(self.name, json.loads(m["options"]))
         self.offset = int(m["offset"])
         self.layer = int(m["layer"])
         self.num_layers = int(m["num_layers"])
@@ -493,7 +493,7 @@ class VeloxCache(RowStorage):
         load_prompt_cache does not pass: then the JSON inside the state)."""
         if meta_state is None:
             meta_state = json.loads(dict(state)["meta"])
-        options = cls.Options.create(cls.name, json.loads(meta_state["options"]))
+        options = cls.Options.from_saved(cls.name, json.loads(meta_state["options"]))
         cache = cls.for_options(options)(options)
         cache.state = state
         cache.meta_state = meta_state

@@ -33,37 +33,25 @@ import mlx.core as mx
 
 from ..errors import OptionError
 from .base import PAD_POSITION, VeloxCache
+from .kv_quant import FIELDS, KVQuant, check_bindable, take_quant, upgrade_saved
 from .options import CacheOptions, check_choice, check_int, check_number, option
 from .storage import padded_to
 
 HEAD_BUDGETS = ("uniform", "adaptive")
 DEFAULT_ALPHA = 0.2  # Ada-KV's floor
 
+QUANT_PREFIX = "kv_"  # kv_bits=4 on an evicting algorithm: KVQuant(bits=4)
 PLACEHOLDER_BUDGET = 2**30  # max_kv_bytes: the budget until bound to a model
 
 
 @dataclasses.dataclass
 class EvictionOptions(CacheOptions):
     """`budget`: rows kept per layer and KV head, sinks and protected window
-    included. `sinks`: first tokens always kept. `kv_bits` (2, 3, 4, 8 or
-    "adaptive" with `target_bits`): store the kept rows KIVI-quantized (keys at
-    `kv_key_bits` when given), keys per
-    channel over `kv_group` rows, values per row, the newest `kv_residual` rows in
-    full precision (see `kv_bits.py`); `kv_keys="token"` quantizes keys per row
-    instead; `kv_rotate="hadamard"` stores them rotated by a random Hadamard
-    transform per head (TurboQuant, `quantized.py`), `kv_rotate="query"` after
-    scaling key channels by the prompt's queries, `kv_rotate="query_basis"`
-    after mapping keys to the queries' and keys' joint basis; `kv_grid`: "minmax",
-    "mlx", "gaussian" (TurboQuant's scalar quantizer) or "mxfp4"; `kv_scales=
-    "float16"`: each group's scale and bias in fp16 (default: the model's dtype);
-    `kv_dense="float16"`: the rows not quantized (the residual) in fp16, their
-    groups' scales too once quantized;
-    `kv_qjl=True`: TurboQuant's 1-bit residual on keys (per token).
-    `kv_sinks`: the first rows held dense ahead of the quantized ones, 1 by
-    default with `kv_rotate` (as kivi's); `sinks` is raised to it, so they are
-    never evicted. `kv_debias=True`: each quantized key's logit less half its
-    expected rounding variance (as kivi's). `kv_round="query"`: keys rounded
-    with error feedback weighed by the queries to come (as kivi's).
+    included. `sinks`: first tokens always kept. `quant`: the kept rows stored
+    quantized (`kv_quant.KVQuant`), built from the shorthand keywords
+    `kv_bits`, `kv_key_bits`, `kv_group`, `kv_residual` (and research's
+    `kv_recipe`); None: full precision. Its dense first rows are among
+    `sinks`, raised to them, so they are never evicted.
     `head_budget`: "uniform" (every KV head keeps `budget` rows) or "adaptive"
     (Ada-KV: a layer's heads share budget x heads rows by their scores, each
     keeping at least the fraction `alpha`, default 0.2, of the uniform share;
@@ -74,25 +62,39 @@ class EvictionOptions(CacheOptions):
 
     budget: int = option(256, check_int, 1)
     sinks: int = option(4, check_int, 0)
-    kv_bits: int | str | None = None
-    kv_key_bits: int | None = None
-    kv_group: int = 32
-    kv_residual: int = 128
-    target_bits: float | None = None
-    kv_rotate: str | None = None
-    kv_keys: str = "channel"
-    kv_grid: str = "minmax"
-    kv_scales: str = "model"
-    kv_dense: str = "model"
-    kv_qjl: bool = False
-    kv_sinks: int | None = None
-    kv_debias: bool | None = None
-    kv_round: str = "nearest"
+    quant: KVQuant | None = None
     head_budget: str = option("uniform", check_choice, HEAD_BUDGETS)
     alpha: float | None = None
     max_kv_bytes: int | str | None = None
     # kvzip, kvzap: rows shared among heads by their own model-wide choice
     own_head_budgets: ClassVar[bool] = False
+
+    @classmethod
+    def option_names(cls):
+        return (
+            [n for n in super().option_names() if n != "quant"]
+            + [QUANT_PREFIX + k for k in FIELDS]
+            + ["quant"]
+        )
+
+    @classmethod
+    def fold(cls, options):
+        options["quant"] = take_quant(options, QUANT_PREFIX, required=False)
+        return options
+
+    @classmethod
+    def from_saved(cls, algo, options):
+        try:
+            options = upgrade_saved(dict(options), QUANT_PREFIX)
+        except OptionError as e:
+            raise OptionError(f"{algo}: {e}") from None
+        return cls.create(algo, options)
+
+    def as_dict(self):
+        d = {k: v for k, v in super().as_dict().items() if k != "quant"}
+        if self.quant is None:
+            return {**d, QUANT_PREFIX + "bits": None}
+        return {**d, **self.quant.flat(QUANT_PREFIX)}
 
     @classmethod
     def create(cls, algo, options):
@@ -156,45 +158,10 @@ class EvictionOptions(CacheOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        from .kv_bits import (
-            check_grid,
-            check_key_bits,
-            check_qjl,
-            check_quant,
-            check_rotate,
-            check_round,
-            dense_sinks,
-            logit_debias,
-        )
-
-        # kv_group and kv_residual are checked even while kv_bits is unset.
-        check_quant(
-            self.kv_bits, self.kv_group, self.kv_residual, self.target_bits, "kv_"
-        )
-        check_rotate(self.kv_rotate, self.kv_keys, self.kv_bits, "kv_")
-        check_grid(
-            self.kv_grid,
-            self.kv_bits,
-            self.kv_group,
-            "kv_",
-            self.kv_scales,
-            self.kv_dense,
-        )
-        check_qjl(self.kv_qjl, self.kv_bits, self.kv_keys, self.kv_grid, "kv_")
-        check_round(
-            self.kv_round,
-            self.kv_bits,
-            self.kv_keys,
-            self.kv_grid,
-            self.kv_debias,
-            "kv_",
-        )
-        check_key_bits(self.kv_key_bits, self.kv_bits, self.kv_qjl, self.kv_grid, "kv_")
-        self.kv_sinks = dense_sinks(self.kv_sinks, self.kv_rotate, self.kv_bits)
-        self.sinks = max(self.sinks, self.kv_sinks)  # held dense: never evicted
-        self.kv_debias = logit_debias(
-            self.kv_debias, self.kv_bits, self.kv_grid, self.kv_qjl, "kv_"
-        )
+        if self.quant is not None and not isinstance(self.quant, KVQuant):
+            raise OptionError(f"quant must be a veloxpatch.KVQuant, got {self.quant!r}")
+        if self.quant is not None:
+            self.sinks = max(self.sinks, self.quant.sinks)  # dense: never evicted
         if self.own_head_budgets and self.head_budget != "uniform":
             raise OptionError(
                 "this algorithm shares rows among heads by its own model-wide "
@@ -222,11 +189,8 @@ class EvictionOptions(CacheOptions):
     def bind(self, model, dims):
         if self.max_kv_bytes is not None:
             return self._priced(model, dims)
-        if self.kv_bits is not None:
-            from .kv_bits import check_group_divides, check_rotatable
-
-            check_group_divides(dims, self.kv_group, "kv_")
-            check_rotatable(dims, self.kv_rotate)
+        if self.quant is not None:
+            check_bindable(dims, self.quant, QUANT_PREFIX)
         return super().bind(model, dims)
 
     def _priced(self, model, dims):
@@ -343,7 +307,7 @@ class EvictingCache(VeloxCache):
     def for_options(cls, options):
         from .kv_bits import QuantizedKV, quantized_variant
 
-        if options.kv_bits is None or issubclass(cls, QuantizedKV):
+        if options.quant is None or issubclass(cls, QuantizedKV):
             return cls  # (the variant itself, e.g. rebuilt from mlx-lm's file)
         return quantized_variant(cls)
 

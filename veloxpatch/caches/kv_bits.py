@@ -10,19 +10,13 @@ Eviction on quantized rows: the algorithm keeps any rows per head, as before
 (its side arrays follow its rows); the storage only forgets the evicted rows'
 slots (`slot`: row -> slot), which become holes that attention masks. Nothing
 is moved or requantized until the holes exceed max(group, rows / HOLE_SHARE);
-then `_compact` lays every head's rows out again: what is stored a row per
-token (values; keys with `kv_keys="token"`, their QJL signs too) moves as it
-is, keys per channel keep the groups whose rows all survived (gathered per
-head, exact) and the survivors of the other groups are requantized together in
-new groups (a second rounding of keys quantized once: the price of evicting
-from a group), the newest rows stay in the residual, and the holes are gone.
-Until anything is quantized, eviction gathers the dense rows exactly.
-
-`kv_bits="adaptive"` keeps the prompt in full precision until it ends, then
-gives each KV head 2, 3 or 4 bits from the entropy of its real attention over
-the last prompt window (`kv_options.allocate_bits`), and quantizes. A prompt
-of lone tokens never ends (mlx-lm sends a 1- or 2-token prompt so): then the
-widths come from the tokens so far once a group is past the residual.
+then `_compact` lays every head's rows out again: values (stored a row per
+token) move as they are, keys keep the groups whose rows all survived
+(gathered per head, exact) and the survivors of the other groups are
+requantized together in new groups (a second rounding of keys quantized once:
+the price of evicting from a group), the newest rows stay in the residual, and
+the holes are gone. Until anything is quantized, eviction gathers the dense
+rows exactly. The spec (`options.quant`) is `kv_quant.KVQuant`.
 """
 
 from __future__ import annotations
@@ -32,29 +26,10 @@ import functools
 
 import mlx.core as mx
 
-from .attention_math import newest_queries, query_probs
-from .kv_options import (  # noqa: F401  (the names callers import from here)
-    ADAPTIVE_WIDTHS,
-    BITS,
-    ENTROPY_WINDOW,
-    GROUPS,
-    allocate_bits,
-    check_grid,
-    check_group_divides,
-    check_key_bits,
-    check_qjl,
-    check_quant,
-    check_rotatable,
-    check_rotate,
-    check_round,
-    dense_sinks,
-    layer_total,
-    logit_debias,
-)
+from .kv_quant import BITS
 from .quantized import (
     QuantizedStore,
     future_moment,
-    qjl_matrix,
     rotation_signs,
     sinks_then_groups,
 )
@@ -65,20 +40,19 @@ HOLE_SHARE = 4  # compact once holes exceed rows / HOLE_SHARE (and a group)
 
 
 class QuantizedKV:
-    """Mixin over a VeloxCache: the storage described above. Reads the options
-    `kv_bits`, `kv_group`, `kv_residual`, `target_bits`."""
+    """Mixin over a VeloxCache: the storage described above, as
+    `options.quant` (a KVQuant) specifies it."""
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)
         # self.keys / self.values: the residual [B, Hkv, slots - quantized, D]
         self.store: QuantizedStore | None = None
         self.slot = None  # row -> slot [B, Hkv, rows] int32; None: row r = slot r
-        self.window_q = None  # adaptive: last prompt queries [B, Hq, W, D]
-        # kv_rotate="query": sum of squared queries [B, Hkv, D] and their count,
+        # the "query" recipe: sum of squared queries [B, Hkv, D] and their count,
         # until the first group is quantized (quantized.key_scales)
         self.query_power = None
         self.query_count = 0
-        # kv_round="query" and kv_rotate="query_basis": sum of pre-RoPE query
+        # and the sum of pre-RoPE query
         # outer products [B, Hkv, D, D] and their count, until the first group
         # is quantized; the layer's rope
         self.query_m2 = None
@@ -120,8 +94,6 @@ class QuantizedKV:
 
     # ---- storage ------------------------------------------------------------------
     def _append(self, k, v, offset):
-        if self.options.kv_dense == "float16":  # (the options need kv_bits for it)
-            k, v = k.astype(mx.float16), v.astype(mx.float16)
         B, H, L = k.shape[:3]
         first = self.slots
         if self.keys is None:
@@ -158,7 +130,6 @@ class QuantizedKV:
             self.offset if qstart is None else qstart,
             self.slot_positions() if masked else None,
             self.padded,
-            self.options.kv_debias,
         )
         return view, view
 
@@ -213,8 +184,8 @@ class QuantizedKV:
         saw only them would (the sinks, then whole groups past the residual)."""
         if self.store is None:
             return False
-        o = self.options
-        fresh = sinks_then_groups(max(0, n - o.kv_residual), self._sinks, o.kv_group)
+        o = self.options.quant
+        fresh = sinks_then_groups(max(0, n - o.residual), self._sinks, o.group)
         if self.slot is None:
             return min(n, self.quantized) > fresh
         held = (self.slot[..., :n] < self.quantized).sum(-1)
@@ -222,23 +193,15 @@ class QuantizedKV:
 
     @property
     def trim_keeps_queries(self) -> bool:
-        # kv_rotate="query"/"query_basis" and kv_round="query" sum the queries until the
-        # first group is quantized
+        # the "query" recipe sums the queries until the first group is quantized
         pending = self.query_power is not None or self.query_m2 is not None
         return pending or super().trim_keeps_queries
-
-    def trim(self, n):
-        n = super().trim(n)
-        if n and self.window_q is not None:
-            kept = self.window_q.shape[2] - n
-            self.window_q = self.window_q[:, :, :kept] if kept > 0 else None
-        return n
 
     def _compact(self) -> None:
         """Lay every head's rows out again with no holes (see the module doc).
         kivi's dense sinks (rows and slots 0..s-1, never evicted or holed) stay
         as they are; the rows after them are regrouped."""
-        g, s = self.options.kv_group, self.store.sink_rows
+        g, s = self.options.quant.group, self.store.sink_rows
         K, tq, S = self.rows - s, self.quantized - s, self.slots - s
         B, H = self.keys.shape[:2]
         slot = self._slot_map()[..., s:] - s
@@ -261,7 +224,7 @@ class QuantizedKV:
             values = mx.concatenate([dv[:, :, s:], values], axis=2)
         keys = mx.take_along_axis(keys, src[..., None], axis=2)
         values = mx.take_along_axis(values, src[..., None], axis=2)
-        new_tq = max(0, (K - self.options.kv_residual) // g) * g
+        new_tq = max(0, (K - self.options.quant.residual) // g) * g
         firsts = mx.arange(0, new_tq, g, dtype=mx.int32)
         exact = firsts // g < n_intact[..., None]
         gid = mx.take_along_axis(src, mx.broadcast_to(firsts, (B, H, new_tq // g)), -1)
@@ -278,12 +241,8 @@ class QuantizedKV:
             self.slot = mx.concatenate([sinks, rest], axis=-1) if s else rest
 
     # ---- when rows are quantized --------------------------------------------------
-    @property
-    def _adaptive(self) -> bool:
-        return self.options.kv_bits == "adaptive"
-
     def rotate(self, q, k, rope, offset, query_scale):
-        if self._wants_moment and not self._moment_used:
+        if self.options.quant.rounds and not self._moment_used:
             self.query_rope = rope
             self._add_query_m2(
                 q if query_scale is None else q * query_scale, k.shape[1]
@@ -291,17 +250,9 @@ class QuantizedKV:
         return super().rotate(q, k, rope, offset, query_scale)
 
     @property
-    def _wants_moment(self) -> bool:
-        o = self.options
-        return o.kv_round == "query" or o.kv_rotate == "query_basis"
-
-    @property
     def _moment_used(self) -> bool:
-        """The factor or the basis (what the queries' moment sets) is set."""
-        st = self.store
-        if st is None:
-            return False
-        return st.key_factor is not None or st.key_unmap is not None
+        """The rounding factor (what the queries' moment sets) is set."""
+        return self.store is not None and self.store.key_factor is not None
 
     def _add_query_m2(self, q, H: int) -> None:
         """Add a call's pre-RoPE queries [B, Hq, L, D] to the sums of outer
@@ -314,9 +265,7 @@ class QuantizedKV:
 
     def after_attend(self, q, new_rows):
         super().after_attend(q, new_rows)  # the algorithm evicts first
-        if self._adaptive and self.store is None:
-            self.window_q = newest_queries(self.window_q, q, ENTROPY_WINDOW)
-        if self.options.kv_rotate == "query" and not self._scaled:
+        if self.options.quant.rotated and not self._scaled:
             self._add_query_power(q)
         self._settle()
 
@@ -336,59 +285,27 @@ class QuantizedKV:
         self.query_count += Hq // H * L
 
     def end_prompt(self):
-        if self._adaptive and self.store is None and self.window_q is not None:
-            entropy = self.head_entropy()  # of the attention the prompt really had
-            super().end_prompt()
-            self._choose_widths(entropy)
-        else:
-            super().end_prompt()
+        super().end_prompt()
         self._settle()
-
-    def _choose_widths(self, entropy: list[float]) -> None:
-        """Adaptive: an empty store whose heads' widths follow `entropy`."""
-        # the layer's heads share the bits, those of other ranks included
-        total = layer_total(self.options.target_bits, len(entropy), self.layer)
-        bits = allocate_bits(entropy, total)[self.shards.head_slice(len(entropy))]
-        self.store = self._new_store(bits)
-        self.window_q = None
-        # the widths read the attention of the newest tokens: a trim keeps them
-        self.irreversible_at = max(self.irreversible_at or 0, self.offset)
-
-    def head_entropy(self) -> list[float]:
-        """Entropy of each KV head's attention (mean over the window's queries and
-        the query heads of its group), for every KV head of the layer (of every
-        rank, on a sharded model)."""
-        keys, _ = self._view()
-        L = self.window_q.shape[2]
-        _, p = query_probs(
-            self.window_q, keys, self.positions_view(), self.offset - L, self.scale
-        )
-        ent = -mx.where(p > 0, p * mx.log(p), 0.0).sum(-1)  # [B, Hkv, G, L]
-        return self.shards.all_heads(ent.mean(axis=(0, 2, 3)), axis=0).tolist()
 
     def _settle(self) -> None:
         """Compact if the holes are too many, then quantize the oldest whole
-        groups beyond `kv_residual` slots."""
-        o = self.options
+        groups beyond `residual` slots."""
+        o = self.options.quant
         if self.store is not None and self.holes > max(
-            o.kv_group, self.rows // HOLE_SHARE
+            o.group, self.rows // HOLE_SHARE
         ):
             self._compact()
             self.evaluate_rewrite()
         if self.store is None:
             if self.keys is None:
                 return
-            if not self._adaptive:
-                self.store = self._new_store((o.kv_bits,) * self.keys.shape[1])
-            elif self._widths_due():  # decoding with no prompt before it
-                self._choose_widths(self.head_entropy())
-            else:
-                return  # adaptive: widths are chosen when the prompt ends
-        if self.in_prompt and o.holds_prompt():
+            self.store = self._new_store()
+        if self.in_prompt and self.options.holds_prompt():
             # held at full precision until it ends (the SnapKV family and
             # expected_attention): the caller's prefill chunks change nothing
             return
-        n = self.store.to_fill(self.keys.shape[2] - o.kv_residual)
+        n = self.store.to_fill(self.keys.shape[2] - o.residual)
         if n > 0:
             with self._first_scales():
                 self.store.append(self.keys[:, :, :n], self.values[:, :, :n])
@@ -398,11 +315,11 @@ class QuantizedKV:
 
     @contextlib.contextmanager
     def _first_scales(self):
-        """Rows quantized inside: kv_rotate="query"'s first group sets the key
-        scales from the query sums so far, kv_round="query"'s its rounding
-        factor from the queries' second moment moved to the next positions
-        (the store gets them only for this call: a sink alone sets none, and a
-        later group must read newer sums)."""
+        """Rows quantized inside: the "query" recipe's first group sets the key
+        scales from the query sums so far, and its rounding factor from the
+        queries' second moment moved to the next positions (the store gets
+        them only for this call: a sink alone sets none, and a later group
+        must read newer sums)."""
         if self.query_power is not None:
             self.store.query_power = self.query_power / self.query_count
         # (a loaded cache settled before any call knows no rope: nearest rounding)
@@ -421,54 +338,32 @@ class QuantizedKV:
             self.irreversible_at = max(self.irreversible_at or 0, self.offset)
             self.query_m2, self.query_m2_count = None, 0
 
-    def _widths_due(self) -> bool:
-        """Adaptive, decoding, no widths yet (a prompt of lone tokens never
-        ends, as mlx-lm sends a 1- or 2-token one): a group is past the
-        residual, so widths are chosen from the attention of the tokens so far."""
-        o = self.options
-        due = self.keys.shape[2] >= o.kv_residual + o.kv_group
-        return due and not self.in_prompt and self.window_q is not None
-
-    def _new_store(self, bits: tuple[int, ...]) -> QuantizedStore:
-        """An empty store of these widths, keys grouped by `kv_keys`, rotated
-        with `kv_rotate`: the signs of every KV head of the layer are drawn, so
-        a sharded model's ranks rotate their heads as unsharded."""
+    def _new_store(self) -> QuantizedStore:
+        """An empty store as the spec says: with a rotation, the signs of every
+        KV head of the layer are drawn, so a sharded model's ranks rotate their
+        heads as unsharded."""
+        o = self.options.quant
         signs = None
-        if self.options.kv_rotate is not None:
+        if o.rotated:
             H, D = self.keys.shape[1], self.keys.shape[3]
             every = rotation_signs(H * self.shards.size, D, self.layer)
             signs = self.shards.my_heads(every, axis=0)
-        o = self.options
-        D = self.keys.shape[3]
-        qjl = qjl_matrix(D, self.layer) if o.kv_qjl else None
         return QuantizedStore(
-            bits,
-            o.kv_group,
-            signs,
-            o.kv_keys,
-            o.kv_grid,
-            o.kv_scales,
-            qjl,
-            self._sinks,
-            o.kv_key_bits,
-            o.kv_rotate == "query",
-            o.kv_round == "query",
-            o.kv_rotate == "query_basis",
+            o.bits, o.group, signs, self._sinks, o.key_bits, o.rotated, o.rounds
         )
 
     @property
     def _sinks(self) -> int:
-        """Rows held dense ahead of the quantized ones (`kv_sinks`: on an
-        evicting algorithm, among its `sinks`, so never evicted or holed)."""
-        return self.options.kv_sinks
+        """Rows held dense ahead of the quantized ones (on an evicting
+        algorithm, among its `sinks`, so never evicted or holed)."""
+        return self.options.quant.sinks
 
     def side_arrays(self):
         side = super().side_arrays() + [self.keys, self.values]
         side += [] if self.store is None else self.store.arrays()
         side += [] if self.slot is None else [self.slot]
         side += [] if self.query_power is None else [self.query_power]
-        side += [] if self.query_m2 is None else [self.query_m2]
-        return side + ([] if self.window_q is None else [self.window_q])
+        return side + ([] if self.query_m2 is None else [self.query_m2])
 
     # ---- contract -----------------------------------------------------------------
     def held_arrays(self):
@@ -484,8 +379,6 @@ class QuantizedKV:
             st["slot"] = self.slot
         if self.store is not None:
             st.update(self.store.state())
-        if self.window_q is not None:
-            st["window_q"] = self.window_q
         if self.query_power is not None:
             st["query_power"] = self.query_power
             st["query_count"] = mx.array([self.query_count], dtype=mx.int32)
@@ -495,19 +388,15 @@ class QuantizedKV:
         return st
 
     def load_storage(self, st):
-        o = self.options
+        o = self.options.quant
+        if "window_q" in st:  # kv_bits="adaptive" before its widths were set
+            raise ValueError("saved with kv_bits='adaptive', which is retired")
         self.store = QuantizedStore.from_state(
-            st,
-            o.kv_group,
-            self._sinks,
-            o.kv_rotate == "query",
-            o.kv_round == "query",
-            o.kv_rotate == "query_basis",
+            st, o.group, self._sinks, o.rotated, o.rounds
         )
         for k in [k for k in st if k.split(".")[0] in ("q", *self._part_names())]:
             st.pop(k)
         self.slot = st.pop("slot", None)
-        self.window_q = st.pop("window_q", None)
         self.query_power = st.pop("query_power", None)
         count = st.pop("query_count", None)
         self.query_count = 0 if count is None else int(count.item())
@@ -530,5 +419,5 @@ class QuantizedKV:
 @functools.cache
 def quantized_variant(cls: type) -> type:
     """`cls` storing its rows quantized (eviction algorithms with `kv_bits`)."""
-    doc = f"{cls.__name__} with KIVI-quantized rows (kv_bits)."
+    doc = f"{cls.__name__} with quantized rows (kv_bits)."
     return type(cls.__name__ + "KVBits", (QuantizedKV, cls), {"__doc__": doc})

@@ -12,17 +12,15 @@ while the prompt is read the SnapKV family and expected_attention with
 prompt, the others the caller's prefill chunk, on top of the budget.
 
 - rows in the model's dtype: r x (2 D x dtype size + 4) (keys, values, position);
-- with `kv_bits`: r rows, plus (once r passes the residual: before, nothing is
-  quantized and eviction leaves no hole) up to max(group, r / 4) holes (evicted
-  rows not yet compacted, `kv_bits.HOLE_SHARE`), of which up to residual + group - 1
-  slots are the full-precision residual and `kv_sinks` its dense sinks (2 D x
-  dtype size each) and the rest
-  quantized (2 D bits / 8 of codes, the keys' at `kv_key_bits` when given,
-  and a scale and a bias per `group` values in the model's dtype: 4 D x dtype
-  size / group; fp16 with `kv_scales`, one byte and no bias with mxfp4;
-  `kv_qjl`: a scale and a bias more per key; fp16 residual and scales with
-  `kv_dense`), plus 8 bytes per row (its position and its slot).
-  Adaptive widths count their mean, `target_bits`.
+- with `kv_bits` (the spec `quant`): r rows, plus (once r passes the residual:
+  before, nothing is quantized and eviction leaves no hole) up to max(group,
+  r / 4) holes (evicted rows not yet compacted, `kv_bits.HOLE_SHARE`), of which
+  up to residual + group - 1 slots are the full-precision residual and the
+  spec's dense sinks (2 D x dtype size each) and the rest quantized (2 D bits /
+  8 of codes, the keys' at `key_bits` when given, and a scale and a bias per
+  `group` values in the model's dtype: 4 D x dtype size / group), plus 8
+  bytes per row (its position and its slot); the "query" recipe's rounding
+  factor, D (D - 1) / 2 + 4 bytes per KV head.
 
 Plus what a layer holds besides its rows (`side_bytes`: the SnapKV family's,
 kvzip's and kvzap's buffered queries, expected_attention's query mean and
@@ -95,21 +93,13 @@ def kv_dtype_size(model) -> int:
     return 4
 
 
-def slot_bytes(options, head_dim: int, dtype_size: int, quantized: bool) -> int:
-    """Bytes of one slot of one KV head: a dense row, or a quantized one."""
-    if getattr(options, "kv_dense", "model") == "float16":
-        dtype_size = 2  # the residual, and the scales of rows quantized from it
+def slot_bytes(quant, head_dim: int, dtype_size: int, quantized: bool) -> int:
+    """Bytes of one slot of one KV head: a dense row, or one quantized as
+    `quant` (a KVQuant) says: codes, a scale and a bias per group."""
     if not quantized:
         return 2 * head_dim * dtype_size
-    bits = options.kv_bits
-    if bits == "adaptive":
-        bits = options.target_bits
-    codes = head_dim * (bits + (getattr(options, "kv_key_bits", None) or bits)) / 8
-    if getattr(options, "kv_grid", "minmax") == "mxfp4":  # one uint8 scale a group
-        return codes + 2 * head_dim / options.kv_group
-    scale = 2 if getattr(options, "kv_scales", "model") == "float16" else dtype_size
-    sketch = 2 * scale if getattr(options, "kv_qjl", False) else 0  # its ±alpha
-    return codes + 4 * head_dim * scale / options.kv_group + sketch
+    codes = head_dim * (quant.bits + (quant.key_bits or quant.bits)) / 8
+    return codes + 4 * head_dim * dtype_size / quant.group
 
 
 def bound_bytes(
@@ -128,6 +118,7 @@ def bound_bytes(
     extra = None if decode else options.peak_extra_rows()
     r = budget + (options.decode_extra_rows() if extra is None else extra)
     r = r if tokens is None else min(r, tokens)
+    q = options.quant
     total = 0.0
     layers = zip(dims.heads, dims.kv_heads, dims.head_dims, dims.sliding)
     for heads, kv_heads, d, sliding in layers:
@@ -136,23 +127,20 @@ def bound_bytes(
         total += options.side_bytes(heads, d, dtype_size)
         if extra is not None:  # the bound covers the prompt: what it alone holds
             total += options.prompt_side_bytes(heads, d, dtype_size)
-        dense = slot_bytes(options, d, dtype_size, False)
+        dense = slot_bytes(q, d, dtype_size, False)
         side = options.row_side_bytes(heads // kv_heads)
-        if options.kv_bits is None:
+        if q is None:
             per_head = r * (dense + 4 + side)
         else:
-            g = options.kv_group
+            g = q.group
             # rows that never pass the residual are never quantized: no holes
-            slots = r if r <= options.kv_residual else r + max(g, r // HOLE_SHARE)
+            slots = r if r <= q.residual else r + max(g, r // HOLE_SHARE)
             slots = slots if tokens is None else min(slots, tokens)
-            sinks = options.kv_sinks  # held dense too
-            full = min(slots, options.kv_residual + g - 1 + sinks)
-            quant = slot_bytes(options, d, dtype_size, True)
+            full = min(slots, q.residual + g - 1 + q.sinks)  # sinks: dense too
+            quant = slot_bytes(q, d, dtype_size, True)
             per_head = full * dense + (slots - full) * quant + (8 + side) * r
-            if options.kv_round == "query":  # the rounding factor: 8-bit triangle
+            if q.rounds:  # the rounding factor: an 8-bit triangle, a fp32 step
                 per_head += d * (d - 1) // 2 + 4
-            if options.kv_rotate == "query_basis":  # A^-1 on 8 bits, fp32 steps
-                per_head += d * d + 4 * d
         total += kv_heads * per_head
     return total
 

@@ -114,8 +114,24 @@ class CacheOptions:
             check(f.name, value, *args, **kwargs)
 
     @classmethod
+    def option_names(cls) -> list[str]:
+        """The keywords `create` takes."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def fold(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """`options` with shorthand keywords built into fields (kv_bits=4 into
+        `quant`); called on a copy before the fields are filled."""
+        return options
+
+    @classmethod
+    def from_saved(cls, algo: str, options: dict[str, Any]) -> CacheOptions:
+        """Options as a cache file's meta holds them (`as_dict`)."""
+        return cls.create(algo, options)
+
+    @classmethod
     def create(cls, algo: str, options: dict[str, Any]) -> CacheOptions:
-        names = [f.name for f in dataclasses.fields(cls)]
+        names = cls.option_names()
         unknown = sorted(set(options) - set(names))
         if unknown:
             valid = ", ".join(names) if names else "(none)"
@@ -123,7 +139,7 @@ class CacheOptions:
                 f"unknown option(s) {', '.join(unknown)} for {algo!r}; valid: {valid}"
             )
         try:
-            return cls(**options)
+            return cls(**cls.fold(dict(options)))
         except (TypeError, ValueError) as e:
             if isinstance(e, OptionError):
                 raise

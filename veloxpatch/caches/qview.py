@@ -45,14 +45,12 @@ class QuantizedView:
         qstart=0,
         slot_pos=None,
         padded=False,
-        debias=False,
     ):
         self.store, self.keys, self.values = store, keys, values
         self.slot, self.rows = slot, rows
         self.qstart = qstart  # position of the call's first query
         self.slot_pos = slot_pos  # [B, H, S]: None when nothing needs masking
         self.padded = padded  # some heads hold padding rows (PAD)
-        self.debias = debias  # attention adds the store's `logit_bias`
         self._rows_dense = None
 
     @property
@@ -115,50 +113,14 @@ class QuantizedView:
             self._rows_dense = keys, values
         return self._rows_dense
 
-    def slot_bias(self, qg: mx.array) -> mx.array | None:
-        """`debias`: what attention adds to the logits of qg [B, H, M, D]
-        (scaled) per slot [B, H, M, S], float32; None when nothing is added."""
-        if not self.debias or self.store is None:
-            return None
-        bias = self.store.logit_bias(qg)
-        if bias is None or not self.keys.shape[2]:
-            return bias
-        residual = mx.zeros((*bias.shape[:3], self.keys.shape[2]))
-        return mx.concatenate([bias, residual], axis=-1)
-
-    def _with_noise(self, q, keys, scale: float, per_row: bool):
-        """q [B, Hq, L, D] and keys [B, H, n, D] (per row, or per slot) with
-        the store's `noise_channels` appended, so that the fused kernel adds
-        `slot_bias` to the logits: scale (q_aug . k_aug) = scale q . k + the
-        bias of the scaled queries (as they were without `debias`)."""
-        if not self.debias or self.store is None:
-            return q, keys
-        B, Hq, L, D = q.shape
-        H = keys.shape[1]
-        qg = (q.astype(mx.float32) * scale).reshape(B, H, Hq // H * L, D)
-        channels = self.store.noise_channels(qg)
-        if channels is None:
-            return q, keys
-        x, y = channels
-        y = mx.concatenate([y, mx.zeros((B, H, self.keys.shape[2], D))], axis=2)
-        if per_row and self.slot is not None:
-            y = mx.take_along_axis(y, self.slot[..., None], axis=2)
-        elif per_row:
-            y = y[:, :, : self.rows]
-        x = x.reshape(B, Hq, L, D) / scale
-        q = mx.concatenate([q, x.astype(q.dtype)], axis=-1)
-        return q, mx.concatenate([keys, y.astype(keys.dtype)], axis=-1)
-
     def _attend_dense(self, q: mx.array, scale: float) -> mx.array:
         if not self.padded:
             # every earlier row precedes the call's first query and the call's
             # rows come last: over the rows (holes dropped) "causal" is exact
             keys, values = self.rows_dense()
-            q, keys = self._with_noise(q, keys, scale, per_row=True)
             held_until_read(q, keys)
             return fused_attention(q, keys, values, scale, "causal")
         keys, values = self.dense()
-        q, keys = self._with_noise(q, keys, scale, per_row=False)
         held_until_read(q, keys)
         rep = q.shape[1] // keys.shape[1]
 
@@ -177,8 +139,6 @@ class QuantizedView:
             return self._attend_dense(q, scale)
         qg = (q * scale).reshape(B, H, rep * L, D)
         s = self.slot_logits(qg)
-        if (bias := self.slot_bias(qg)) is not None:
-            s = s.astype(mx.float32) + bias
         if self.slot_pos is not None:
             S = s.shape[-1]
             qpos = mx.arange(self.qstart, self.qstart + L, dtype=mx.int32)

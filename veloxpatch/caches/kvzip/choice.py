@@ -28,7 +28,7 @@ class ModelWideOptions(EvictionOptions):
     way). Measured defaults: docs/results.md."""
 
     floor: float = option(0.5, check_number, 0, 1)
-    tail: int = option(32, check_int, 0)
+    tail: int = option(32, check_int, 0, 2**31 - 1)  # a slice bound: mlx takes int32
     window: int = option(32, check_int, 0)
     layerwise: bool = option(False, check_bool)
     own_head_budgets = True  # the choice shares rows among heads itself
