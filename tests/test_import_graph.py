@@ -178,9 +178,7 @@ def test_caches_reach_no_model_calibration_or_api_module():
     graph = project_graph()
     caches = [m for m in graph if within(m, CACHES)]
     assert len(caches) > 5, "no cache modules found"
-    calibration = [
-        m for m in graph if within(m, CALIBRATION) and m not in CACHES_READ
-    ]
+    calibration = [m for m in graph if within(m, CALIBRATION) and m not in CACHES_READ]
     assert len(calibration) >= 3, "no calibration modules found"
     found = reaches_off_limits(graph, caches, [*OFF_LIMITS_TO_CACHES, *calibration])
     assert not found, "\n".join(found)
