@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import smollm
 from serving import running_server
-from test_serve_policy import ASK_A, ASK_B, DOC, serve, serve_replaying
+from test_serve_policy import ASK_A, ASK_B, DOC, serve_replaying
 from tiny import SCORER, resolve_options, tiny_model
 
 import veloxpatch

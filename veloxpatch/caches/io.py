@@ -7,8 +7,9 @@ layers) and its meta state, as JSON in the file's metadata.
 The file is written at exactly the path given (no `.safetensors` appended) and
 read from exactly the path given, whatever its suffix; it carries a checksum of
 its arrays and metadata (`checked_io`). `extra` arrays (the server's kept
-logits) travel beside the caches under `extra/NAME`, covered by the checksum. A missing, truncated, damaged or foreign
-file, or an index that does not describe caches, raises `CacheFileError`.
+logits) travel beside the caches under `extra/NAME`, covered by the checksum.
+A missing, truncated, damaged or foreign file, or an index that does not
+describe caches, raises `CacheFileError`.
 """
 
 from __future__ import annotations

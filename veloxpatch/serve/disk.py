@@ -10,9 +10,10 @@ and kvzap's exact retries, `kv.ReplayingModel`) the offset they belong to.
 
 A request whose prompt starts with a stored entry's tokens, or shares a start
 with a longer entry that can be trimmed back to it (mlx-lm's own fetch rule),
-and gets more of its prompt from it than from memory, loads it into the in-memory prompt cache, which then serves it
-exactly as an entry kept in memory. The directory is bounded (`cap` bytes):
-least recently used files (by mtime; a load touches its file) are deleted to fit.
+and gets more of its prompt from it than from memory, loads it into the
+in-memory prompt cache, which then serves it exactly as an entry kept in
+memory. The directory is bounded (`cap` bytes): least recently used files (by
+mtime; a load touches its file) are deleted to fit.
 
 Faults are each one log line, and the request is served from scratch: at start
 a temporary file (a write cut by kill -9) is removed, and a file whose header
