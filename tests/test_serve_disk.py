@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -222,6 +223,18 @@ def ask(srv, messages):
     return r, r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def written(srv, n=1):
+    """Wait for the server's n-th disk write: the generation thread keeps a
+    request's entry after its answer has gone out."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        log = srv.log.read_text()
+        if log.count("prompt cache on disk: wrote") >= n:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"no entry written:\n{log}")
+
+
 @smollm
 def test_a_restarted_server_continues_from_its_entries_on_disk(tmp_path):
     d = str(tmp_path / "entries")
@@ -229,6 +242,7 @@ def test_a_restarted_server_continues_from_its_entries_on_disk(tmp_path):
     with running_server(*ARGS, "--prompt-cache-dir", d, limit_s=240) as srv:
         r1, cached = ask(srv, first)
         assert cached == 0
+        written(srv)
     n = r1["usage"]["prompt_tokens"]
     text = r1["choices"][0]["message"]["content"]
     second = first + [
@@ -252,6 +266,7 @@ def test_a_restarted_server_skips_damaged_partial_and_foreign_entries(tmp_path):
     first = [{"role": "user", "content": FACTS + "How much do tickets cost?"}]
     with running_server(*ARGS, "--prompt-cache-dir", str(d), limit_s=240) as srv:
         r1, _ = ask(srv, first)
+        written(srv)
     (name,) = entries(d)
     shutil.copy(d / name, d / f"{name}.99-0badf00d.tmp.safetensors")
     data = bytearray((d / name).read_bytes())
