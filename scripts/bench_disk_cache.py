@@ -4,7 +4,7 @@ directory; the server is killed and started again on the same directory; turn 2
 (a follow-up question on the same document). Reports both times to first
 token, turn 2's cached_tokens, the directory's bytes after turn 1, and what
 `mlx_lm.cache_prompt` writes for turn 1's prompt (the same document,
-uncompressed).
+uncompressed; its steps run here, on the model the server loads).
 
     .venv/bin/python scripts/bench_disk_cache.py --budget 256 --context-tokens 1500
 """
@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
+import time
 from pathlib import Path
 
 import bench_chat
@@ -42,7 +41,14 @@ def turn(port, messages, max_tokens) -> dict:
 def served(arm, port, log_path, messages, max_tokens) -> dict:
     proc = bench_serve.start(arm, port, log_path)
     try:
-        return turn(port, messages, max_tokens)
+        out = turn(port, messages, max_tokens)
+        # the generation thread writes the entry after the answer has gone out
+        deadline = time.monotonic() + 120
+        while "on disk: wrote" not in log_path.read_text():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no entry written, see {log_path}")
+            time.sleep(0.1)
+        return out
     finally:
         proc.kill()  # no clean stop: what is on disk is what a crash leaves
         proc.wait()
@@ -63,7 +69,6 @@ def main():
     args = ap.parse_args()
 
     import veloxpatch
-    from veloxpatch.loading.models import embedded_model_path
 
     _, tokenizer = veloxpatch.load()
     (doc,) = bench_chat.documents(
@@ -81,14 +86,24 @@ def main():
     second = bench_chat.second_messages(first, t1["reply"], Q2)
     t2 = served("disk", args.port, log_path, second, args.max_tokens)
     loaded = "prompt cache on disk: loaded" in log_path.read_text()
+    print(json.dumps({"turn1": t1, "turn2": t2, "written": written}), flush=True)
 
-    # mlx-lm's own prompt file for turn 1's user message (the same document)
+    # mlx_lm.cache_prompt's steps for turn 1's user message (the same
+    # document), on the model as the server loads it (its CLI reads no GGUF)
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    model, _ = veloxpatch.load()
+    messages = [{"role": "user", "content": first[0]["content"]}]
+    prompt = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    cache = make_prompt_cache(model)
+    for _ in generate_step(mx.array(prompt), model, max_tokens=0, prompt_cache=cache):
+        pass
     mlx_file = tmp / "mlx_lm_prompt.safetensors"
-    text = first[0]["content"]
-    cmd = [sys.executable, "-m", "mlx_lm.cache_prompt"]
-    cmd += ["--model", str(embedded_model_path()), "--prompt", "-"]
-    cmd += ["--prompt-cache-file", str(mlx_file)]
-    subprocess.run(cmd, input=text, text=True, check=True, capture_output=True)
+    save_prompt_cache(str(mlx_file), cache, {"model": "embedded"})
     mlx_bytes = os.path.getsize(mlx_file)
 
     res = {
