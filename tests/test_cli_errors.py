@@ -206,6 +206,11 @@ BEFORE_LOAD = [
         "serve --algo snapkv --compress-system-prompt",
         "--compress-system-prompt: snapkv has no question-agnostic pass",
     ),
+    ("serve --prompt-cache-disk-bytes 1GB", "needs --prompt-cache-dir"),
+    (
+        "serve --prompt-cache-dir d --prompt-cache-disk-bytes 3XB",
+        "--prompt-cache-disk-bytes must be a size",
+    ),
 ]
 
 

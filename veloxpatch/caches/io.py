@@ -6,8 +6,10 @@ layers) and its meta state, as JSON in the file's metadata.
 
 The file is written at exactly the path given (no `.safetensors` appended) and
 read from exactly the path given, whatever its suffix; it carries a checksum of
-its arrays and metadata (`checked_io`). A missing, truncated, damaged or foreign
-file, or an index that does not describe caches, raises `CacheFileError`.
+its arrays and metadata (`checked_io`). `extra` arrays (the server's kept
+logits) travel beside the caches under `extra/NAME`, covered by the checksum.
+A missing, truncated, damaged or foreign file, or an index that does not
+describe caches, raises `CacheFileError`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .base import VeloxCache
 
 FORMAT = 2  # 2: checksummed, written at the exact path
 INDEX_KEY = "veloxpatch"
+EXTRA = "extra/"  # arrays that belong to no layer
 
 
 def register_with_mlx_lm() -> None:
@@ -44,8 +47,11 @@ def register_with_mlx_lm() -> None:
             make_loadable(c)
 
 
-def save_cache(path, caches, metadata: dict | None = None) -> None:
-    arrays, index = {}, []
+def save_cache(
+    path, caches, metadata: dict | None = None, extra: dict | None = None
+) -> None:
+    arrays = {f"{EXTRA}{k}": v for k, v in (extra or {}).items()}
+    index = []
     for i, c in enumerate(caches):
         if isinstance(c, VeloxCache):
             entry = {"kind": "veloxpatch", "algo": c.name, "meta": c.meta_state}
@@ -72,7 +78,9 @@ def save_cache(path, caches, metadata: dict | None = None) -> None:
     save_checked(path, arrays, {INDEX_KEY: json.dumps(info)}, CacheFileError)
 
 
-def load_cache(path, return_metadata: bool = False):
+def load_cache(path, return_metadata: bool = False, return_extra: bool = False):
+    """The caches of `path` (then its metadata, then its `extra` arrays, as
+    asked)."""
     register_with_mlx_lm()
     arrays, meta = load_checked(path, CacheFileError, "cache")
     if INDEX_KEY not in meta:
@@ -80,7 +88,11 @@ def load_cache(path, return_metadata: bool = False):
     verify(path, arrays, meta, CacheFileError, "cache")
     entries, metadata = _index(path, meta)
     caches = [_rebuild(path, i, entry, arrays) for i, entry in enumerate(entries)]
-    return (caches, metadata) if return_metadata else caches
+    out = [caches] + [metadata] * return_metadata
+    if return_extra:
+        n = len(EXTRA)
+        out.append({k[n:]: v for k, v in arrays.items() if k.startswith(EXTRA)})
+    return tuple(out) if len(out) > 1 else caches
 
 
 def _index(path, meta) -> tuple[list, dict]:

@@ -21,6 +21,7 @@ from .checks import (
     user_errors,
 )
 
+DEFAULT_DISK_BYTES = "10GB"  # --prompt-cache-disk-bytes
 # mlx-lm server flags that would bypass or break the patch: refused up front
 REFUSED = {
     "--kv-bits": "mlx-lm's --kv-bits swaps in its own quantized cache; use "
@@ -146,6 +147,21 @@ class ServeCommand(click.Command):
     help="a request whose headers or body do not arrive in time gets 408",
 )
 @click.option(
+    "--prompt-cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="also write every prompt-cache entry to DIR (checksummed) and load "
+    "them after a restart, for requests that start with their tokens",
+)
+@click.option(
+    "--prompt-cache-disk-bytes",
+    default=None,
+    metavar="SIZE",
+    help=f"bound on DIR's entries, least recently used deleted first "
+    f"(default {DEFAULT_DISK_BYTES})",
+)
+@click.option(
     "--quantized/--dequantized",
     default=None,
     help="keep quantized weights (default: dequantize on the CPU)",
@@ -170,6 +186,8 @@ def serve(
     read_timeout,
     quantized,
     compress_system_prompt,
+    prompt_cache_dir,
+    prompt_cache_disk_bytes,
 ):
     """Serve a patched model with mlx-lm's OpenAI-compatible server.
 
@@ -213,6 +231,11 @@ def serve(
     else:
         cap = parse_size(kv_cap, "--kv-cap")
         cap_note = f"{cap:,} bytes (--kv-cap)"
+    if prompt_cache_disk_bytes is not None and prompt_cache_dir is None:
+        raise UserError("--prompt-cache-disk-bytes needs --prompt-cache-dir")
+    disk_bytes = parse_size(
+        prompt_cache_disk_bytes or DEFAULT_DISK_BYTES, "--prompt-cache-disk-bytes"
+    )
     cli_args = parse_mlx_flags(list(ctx.args))
     cli_args.model = model
 
@@ -233,4 +256,6 @@ def serve(
         compress_system=compress_system_prompt,
         read_timeout=read_timeout,
         max_requests=max_requests,
+        prompt_cache_dir=prompt_cache_dir,
+        prompt_cache_disk_bytes=disk_bytes,
     )

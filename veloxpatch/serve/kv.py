@@ -194,12 +194,14 @@ class BoundedPromptCache(LRUPromptCache):
         # the caller runs the model through ReplayingModel (one request at a
         # time): an exact prompt's entry may hand it the logits it kept
         self.replays = False
+        self.disk = None  # disk.DiskEntries (--prompt-cache-dir)
 
     def fetch_nearest_cache(self, model, tokens):
         handed, self._handed = self._handed, None
         if handed is not None and handed[:2] == (model, list(tokens)):
             return handed[2:]  # fetched (and read on) by keep_system
         with self._lock:
+            self._load_from_disk(model, tokens)
             cache, rest = super().fetch_nearest_cache(model, tokens)
             longer = self._untrimmable_longer(model, tokens, cache, rest)
         if longer:
@@ -252,6 +254,28 @@ class BoundedPromptCache(LRUPromptCache):
                 else f"a shorter one holds {len(tokens) - len(rest)} tokens",
             )
         return cache, rest
+
+    def _load_from_disk(self, model, tokens) -> None:
+        """Put the stored entry that holds the most of `tokens` into memory,
+        if memory holds less of them (the fetch then treats it as any kept
+        entry)."""
+        if self.disk is None or not tokens:
+            return
+        found = self._trie.search(model, tokens)
+        if found.exact is not None:
+            return
+        have = len(found.shorter) if found.shorter is not None else 0
+        if found.longer is not None:  # mlx-lm trims it back, where it can
+            longer = self._trie.get(found.model, found.longer).prompt_cache
+            if can_trim_prompt_cache(longer):
+                have = max(have, found.common_prefix)
+        name = self.disk.nearest(tokens, have)
+        loaded = self.disk.load(name) if name is not None else None
+        if loaded is None:
+            return
+        caches, stored, cache_type, kept = loaded
+        revive(caches, kept)
+        self._keep(model, stored, caches, cache_type, to_disk=False)
 
     def _untrimmable_longer(self, model, tokens, cache, rest) -> int:
         """The tokens a longer entry shares with `tokens` when mlx-lm passed it
@@ -336,6 +360,9 @@ class BoundedPromptCache(LRUPromptCache):
             if kept is None:
                 return
             tokens, prompt_cache, cache_type = kept
+        self._keep(model, tokens, prompt_cache, cache_type)
+
+    def _keep(self, model, tokens, prompt_cache, cache_type, to_disk=True) -> None:
         with self._lock:
             # its prefixes' entries go only where it stands for them exactly
             self._trie.stands_for = lambda n: reproduces(prompt_cache, n)
@@ -344,6 +371,9 @@ class BoundedPromptCache(LRUPromptCache):
             finally:
                 self._trie.stands_for = None
             self._price_logits(model, tokens, prompt_cache)
+            if to_disk and self.disk is not None:
+                kept = getattr(_phase(prompt_cache), "prompt_logits", None)
+                self.disk.store(tokens, prompt_cache, cache_type, kept)
             room = self.ledger.prompt_cache_room() if self.ledger else None
             if room is not None and self.nbytes > room:
                 self.trim_to(n_bytes=room)
@@ -417,6 +447,19 @@ def replay_last_token(cache, n: int) -> bool:
         return False
     phase.replay = kept[1]
     return True
+
+
+def revive(caches, kept) -> None:
+    """Caches loaded from a file (disk.py), made what the entry kept in
+    memory was: one phase of every layer, snapshots at their prompt ends as
+    the server asks, the kept logits of its prompt's last token."""
+    ours = [c for c in caches if hasattr(c, "phase")]
+    if not ours:
+        return
+    phase = ours[0].phase
+    phase.size = len(ours)
+    phase.keep_snapshot = type(ours[0]).policy_for(ours[0].options) == "prompt"
+    phase.prompt_logits = kept
 
 
 def kept_logits_bytes(cache) -> int:

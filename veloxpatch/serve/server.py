@@ -532,6 +532,8 @@ def run(
     compress_system=False,
     read_timeout=30.0,
     max_requests=None,
+    prompt_cache_dir=None,
+    prompt_cache_disk_bytes=None,
 ):
     """Load and patch the model (errors stop here, before serving), then serve
     until interrupted."""
@@ -549,6 +551,13 @@ def run(
         tokenizer_lock=threading.Lock(),
         limits=model_limits(provider.model, provider.tokenizer),
     )
+    if prompt_cache_dir is not None:
+        from .disk import DiskEntries, server_identity
+
+        identity = server_identity(provider)
+        prompt_cache.disk = DiskEntries(
+            prompt_cache_dir, prompt_cache_disk_bytes, identity
+        )
     state.generator = Generator(provider, prompt_cache)
     state.generator.compress_system = compress_system
     log.info(
