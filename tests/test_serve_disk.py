@@ -128,17 +128,17 @@ def test_a_damaged_header_is_removed_at_start(tmp_path, caplog):
     assert len(lines(caplog, f"removed {name}: damaged")) == 1
 
 
-def test_an_entry_of_another_algorithm_is_skipped_and_left(tmp_path, caplog):
+def test_an_entry_of_another_algorithm_is_removed_unread(tmp_path, caplog):
     other = {**ME, "algo": "snapkv"}
     model, first = kvzip_entry(tmp_path, identity=other)
     (name,) = entries(tmp_path)
     with caplog.at_level(logging.INFO, logger="veloxpatch.serve"):
         store = store_on(tmp_path)
         again = serve_kvzip(model, store, DOC + ASK_A)
-    assert len(lines(caplog, f"skipped {name}: written by another model")) == 1
+    assert len(lines(caplog, f"removed {name}: written by another model")) == 1
     assert again[2] == 0 and again[0] == first[0]
-    assert name in entries(tmp_path)  # another server's: not ours to remove
-    assert len(entries(tmp_path)) == 2  # and this server's own entry beside it
+    assert name not in entries(tmp_path)  # out of the index: it escapes the bound
+    assert len(entries(tmp_path)) == 1  # this server's own entry
 
 
 def test_a_write_cut_short_is_removed_at_start(tmp_path, caplog):
@@ -272,19 +272,20 @@ def test_a_restarted_server_skips_damaged_partial_and_foreign_entries(tmp_path):
     data = bytearray((d / name).read_bytes())
     data[-64] ^= 0x10
     (d / name).write_bytes(bytes(data))
+    with running_server(*ARGS, "--prompt-cache-dir", str(d), limit_s=240) as srv:
+        r2, cached = ask(srv, first)
+        written(srv)  # served from scratch, its entry written anew
+        log = srv.log.read_text()
+    assert cached == 0
+    assert log.count("a partial write") == 1
+    assert log.count(f"removed {name}: not loaded") == 1
+    assert "checksum mismatch" in log
     other = ["--algo", "snapkv", "--budget", "64", "--max-tokens", "12"]
     with running_server(*other, "--prompt-cache-dir", str(d), limit_s=240) as srv:
         _, cached_other = ask(srv, first)
         log_other = srv.log.read_text()
-    with running_server(*ARGS, "--prompt-cache-dir", str(d), limit_s=240) as srv:
-        r2, cached = ask(srv, first)
-        log = srv.log.read_text()
     assert cached_other == 0
-    assert log_other.count(f"skipped {name}: written by another model") == 1
-    assert log_other.count("a partial write") == 1
-    assert cached == 0  # served from scratch
-    assert log.count(f"removed {name}: not loaded") == 1
-    assert "checksum mismatch" in log
+    assert log_other.count(f"removed {name}: written by another model") == 1
     assert (
         r2["choices"][0]["message"]["content"] == r1["choices"][0]["message"]["content"]
     )

@@ -129,12 +129,9 @@ class DiskEntries:
             self._remove(path, f"damaged ({_reason(e)})")
             return
         if meta.get("identity") != self.identity:
-            log.warning(
-                "prompt cache on disk: skipped %s: written by another model or "
-                "algorithm/options (%s)",
-                path.name,
-                _made_by(meta.get("identity")),
-            )
+            # removed, as a damaged one: out of the index it would escape the bound
+            made_by = _made_by(meta.get("identity"))
+            self._remove(path, f"written by another model or algorithm ({made_by})")
             return
         self.index[path.name] = Stored(tuple(tokens), size, trimmable)
 
