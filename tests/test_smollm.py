@@ -19,18 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @smollm
-def test_full_parity_1000_token_prompt(loaded):
+def test_full_parity_600_token_prompt(loaded):
+    # three prefill chunks and a decode past them, bit for bit
     model, tokenizer = loaded
-    prompt = mx.array(prose_tokens(tokenizer, 1000, start=5000))
-    ref_toks, ref_lp = greedy(model, prompt, n=32, prefill_step_size=256)
+    prompt = mx.array(prose_tokens(tokenizer, 600, start=5000))
+    ref_toks, ref_lp = greedy(model, prompt, n=16, prefill_step_size=256)
     with veloxpatch.patched(model, algo="full") as patch:
         caches = patch.make_cache()
         toks, lp = greedy(
-            model, prompt, n=32, prefill_step_size=256, prompt_cache=caches
+            model, prompt, n=16, prefill_step_size=256, prompt_cache=caches
         )
     assert toks == ref_toks
     assert max_abs(lp, ref_lp) == 0.0
-    assert caches[0].offset == 1032
+    assert caches[0].offset == 616
 
 
 @smollm
@@ -39,11 +40,11 @@ def test_oracle_on_smollm(loaded, algo):
     # fp32 through 30 layers: the dense oracle and the chunked patched run sum in
     # different orders, so allow float noise (measured ~1e-4 on logits of ~20).
     model, tokenizer = loaded
-    tokens = prose_tokens(tokenizer, 300, start=9000)
-    patched, masks, caches = run_patched(model, tokens, [100, 120], algo, budget=64)
+    tokens = prose_tokens(tokenizer, 200, start=9000)
+    patched, masks, caches = run_patched(model, tokens, [80, 70], algo, budget=64)
     dense = oracle_logits(model, tokens, masks)
     err = mx.abs(patched - dense).max().item()
-    causal = np.tril(np.ones((300, 300), bool))
+    causal = np.tril(np.ones((200, 200), bool))
     assert sum(int((causal & ~m).sum()) for m in masks) > 0
     assert err < 2e-3, err
     assert all(c.rows == 64 for c in caches)

@@ -1,6 +1,7 @@
 """Real-model checks of `kv_bits` / `kivi` and of `a2ats` on SmolLM2."""
 
 import mlx.core as mx
+import pytest
 from conftest import smollm
 from helpers import greedy, max_abs
 
@@ -42,6 +43,7 @@ def test_a2ats_retrieving_everything_is_full(loaded):
     assert toks == ref_toks and max_abs(lp, ref_lp) < 1e-3
 
 
+@pytest.mark.study  # a research claim about the paper's codebook, not the product
 @smollm
 def test_query_aware_codebook_beats_plain_k_means_on_smollm(loaded):
     model, tokenizer = loaded
