@@ -144,6 +144,9 @@ def check_body(body: dict, path: str, limits: Limits) -> None:
         _string(body, name, nullable=True)
     for name in ("chat_template_kwargs", "role_mapping"):
         _object(body, name)
+    from .budgets import check_field  # "veloxpatch": the request's own budget
+
+    check_field(body)
 
 
 def _unserved(body, path: str, limits: Limits) -> None:
