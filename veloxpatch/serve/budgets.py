@@ -7,7 +7,7 @@ everywhere), its KV reservation is bounded with those options (`kv.KVEstimate`),
 and its prompt-cache entries live under their own key (`RequestBudget.key`), so
 that an entry made under one budget is never handed to a request with another.
 
-`check_field` (in `checks.check_body`) reads the field's shape; `Budgets.of`
+`checks.check_body` reads the field's shape; `Budgets.of`
 checks the size against the algorithm and the server's `--kv-cap` before the
 request is queued. Each failure is a BadRequest naming the field.
 """
@@ -19,37 +19,9 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from ..errors import OptionError
-from .checks import BadRequest, shown
+from .checks import FIELD, SIZE_FIELD, BadRequest
 
-FIELD = "veloxpatch"
-KEYS = ("max_kv_bytes",)
-SIZE_FIELD = f"{FIELD}.max_kv_bytes"
 KEPT = 16  # bound options kept for reuse: each distinct size binds anew
-
-
-def check_field(body: dict) -> None:
-    """The field, if present, is an object of known keys, its size readable."""
-    from ..caches.kv_budget import parse_size
-
-    if body.get(FIELD) is None:
-        return
-    field = body[FIELD]
-    if not isinstance(field, dict):
-        raise BadRequest(
-            f'{FIELD} must be an object like {{"max_kv_bytes": "8MB"}}, got '
-            f"{shown(field)}"
-        )
-    unknown = sorted(set(field) - set(KEYS))
-    if unknown:
-        raise BadRequest(
-            f"{FIELD}: unknown key(s) {', '.join(map(shown, unknown))}; known: "
-            + ", ".join(KEYS)
-        )
-    if field.get("max_kv_bytes") is not None:
-        try:
-            parse_size(field["max_kv_bytes"], SIZE_FIELD)
-        except OptionError as e:
-            raise BadRequest(str(e)) from None
 
 
 class RequestBudget(NamedTuple):
