@@ -14,6 +14,8 @@ never fits.
 import concurrent.futures
 import json
 import os
+import re
+import time
 import urllib.error
 import urllib.request
 
@@ -202,3 +204,53 @@ def test_no_server_process_outlives_its_test():
         group = srv.proc.pid  # timeout leads the group; the server is its child
         assert srv.pid in group_members(group)
     assert group_members(group) == []
+
+
+def held_after(log, offset: int) -> int:
+    """KV bytes of the first request done after `offset` in the log (the
+    generation thread logs it as it keeps the entry, after the answer)."""
+    deadline = time.monotonic() + 30  # a bound on waiting, not a measurement
+    while True:
+        text = open(log).read()[offset:]
+        found = re.search(r"request done: \d+ tokens, KV held ([\d,]+) bytes", text)
+        if found or time.monotonic() > deadline:
+            assert found, text
+            return int(found.group(1).replace(",", ""))
+        time.sleep(0.1)
+
+
+@smollm
+def test_a_request_with_its_own_max_kv_bytes_holds_at_most_that(server):
+    """`"veloxpatch": {"max_kv_bytes": ...}` (the OpenAI client's extra_body)
+    prices that request's budget, and it holds at most that; a request
+    without it holds the server's budget of 64 rows, more; sizes the server
+    cannot take are 400s naming the field, and the server keeps serving."""
+    url, log = server
+    # buys fewer rows than the server's 64 (its bound counts snapkv's window
+    # of queries, which a short request does not fill: it holds less)
+    limit = 6_000_000
+    prompt = [{"role": "user", "content": "Paris is lovely. " * 20 + QUESTION}]
+    offset = os.path.getsize(log)
+    status, body = chat(url, prompt, veloxpatch={"max_kv_bytes": "6MB"})
+    assert status == 200, body
+    ours = held_after(log, offset)
+    text = open(log).read()[offset:]
+    assert "veloxpatch.max_kv_bytes 6,000,000 (budget" in text
+    assert 0 < ours <= limit, ours
+    offset = os.path.getsize(log)
+    status, body = chat(url, prompt)
+    assert status == 200, body
+    assert held_after(log, offset) > ours  # the server's 64 rows, as before
+    for field, says in [
+        ({"max_kv_bytes": "100MB"}, "more than the server's --kv-cap"),
+        ({"max_kv_bytes": "10KB"}, "buys"),
+        ({"max_kv_bytes": "a lot"}, "must be a size"),
+        ({"budget": 3}, 'unknown key(s) "budget"'),
+        ("1MB", "must be an object"),
+    ]:
+        status, body = chat(url, prompt, veloxpatch=field)
+        assert status == 400, (field, body)
+        error = json.loads(body)["error"]
+        assert error.startswith("veloxpatch") and says in error, error
+    status, body = ask(url)
+    assert status == 200 and "Paris" in body

@@ -83,16 +83,22 @@ class Patch:
         self._last_caches: list = []
 
     # -- caches ------------------------------------------------------------------
-    def make_cache(self, probe=None, max_kv_size=None) -> list:
+    def make_cache(self, probe=None, max_kv_size=None, *, options=None) -> list:
         """One cache per layer: the algorithm's cache on patched layers, mlx-lm's
         own type (e.g. RotatingKVCache) on sliding-window layers. The layers of
         one prompt cache share one prompt phase. `probe`: fn(caches.base.Seen),
         called with what every patched attention call sees. `max_kv_size` (also
-        read from mlx-lm's make_prompt_cache): the budget of these caches."""
+        read from mlx-lm's make_prompt_cache): the budget of these caches.
+        `options`: bound options of this algorithm to make them with instead
+        (`options_for_bytes`)."""
         asked, kv_bits = mlx_flags.requested()
         mlx_flags.check_kv_bits(kv_bits)
         self._check_still_split_as_applied()
-        make, options = self._make, self.options
+        make, options = (
+            (self._make, self.options)
+            if options is None
+            else (self.cache_cls.for_options(options), options)
+        )
         if max_kv_size is not None or asked is not None:
             make, options = self._for_budget(max_kv_size or asked)
         base = self._original_caches()
@@ -111,7 +117,7 @@ class Patch:
             caches.append(cache)
         phase.size = len(caches)
         phase.keep_snapshot = (
-            self.keep_snapshots and self.cache_cls.policy_for(self.options) == "prompt"
+            self.keep_snapshots and self.cache_cls.policy_for(options) == "prompt"
         )
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches
@@ -123,6 +129,27 @@ class Patch:
             cls, bound = make_options(self.cache_cls, opts, self.model)
             self._by_budget[max_kv_size] = (cls.for_options(bound), bound)
         return self._by_budget[max_kv_size]
+
+    def options_for_bytes(self, max_kv_bytes):
+        """This patch's options with the budget `max_kv_bytes` buys in place of
+        the one applied (`kv_budget.py` prices it), bound to the model, for
+        `make_cache(options=...)`; OptionError where the algorithm has no
+        budget or the size buys too few rows."""
+        from .caches.kv_budget import parse_size
+
+        limit = parse_size(max_kv_bytes)
+        if "max_kv_bytes" not in self.cache_cls.Options.option_names():
+            raise OptionError(
+                f"{self.algo!r} has no budget (it keeps every token), so no "
+                "max_kv_bytes"
+            )
+        given = {
+            k: v
+            for k, v in self.requested.items()
+            if k not in ("budget", "max_kv_bytes")
+        }
+        opts = files_of(self.options) | given | {"max_kv_bytes": limit}
+        return make_options(self.cache_cls, opts, self.model)[1]
 
     def _check_still_split_as_applied(self) -> None:
         """`model.shard()` or a pipeline split after `apply` would leave the caches
@@ -153,13 +180,16 @@ class Patch:
             self, tokens, tokenizer=tokenizer, chunk=chunk, context_start=context_start
         )
 
-    def check_context(self, n_tokens: int, new: int | None = None, tokenizer=None):
+    def check_context(
+        self, n_tokens: int, new: int | None = None, tokenizer=None, options=None
+    ):
         """Refuse a context of `n_tokens` (`new` of them not compressed yet;
-        None: all) the options cannot process within their `max_kv_bytes`
-        (kvzip's reconstruction), before any work. The pass phrases its
-        instruction with this patch's tokenizer or `tokenizer` (prefill's):
-        with neither it never runs, and nothing is refused."""
-        check = getattr(self.options, "check_context", None)
+        None: all) the options (default: this patch's) cannot process within
+        their `max_kv_bytes` (kvzip's reconstruction), before any work. The
+        pass phrases its instruction with this patch's tokenizer or
+        `tokenizer` (prefill's): with neither it never runs, and nothing is
+        refused."""
+        check = getattr(options or self.options, "check_context", None)
         has_tokenizer = self.tokenizer is not None or tokenizer is not None
         if check is not None and has_tokenizer:
             from model_adapters import adapter_for

@@ -144,6 +144,39 @@ def check_body(body: dict, path: str, limits: Limits) -> None:
         _string(body, name, nullable=True)
     for name in ("chat_template_kwargs", "role_mapping"):
         _object(body, name)
+    _veloxpatch(body)
+
+
+FIELD = "veloxpatch"
+KEYS = ("max_kv_bytes",)
+SIZE_FIELD = f"{FIELD}.max_kv_bytes"
+
+
+def _veloxpatch(body: dict) -> None:
+    """`veloxpatch` (a request's own budget, `budgets.py`), if present: an
+    object of known keys, its size readable."""
+    from ..caches.kv_budget import parse_size
+    from ..errors import OptionError
+
+    if body.get(FIELD) is None:
+        return
+    field = body[FIELD]
+    if not isinstance(field, dict):
+        raise BadRequest(
+            f'{FIELD} must be an object like {{"max_kv_bytes": "8MB"}}, got '
+            f"{shown(field)}"
+        )
+    unknown = sorted(set(field) - set(KEYS))
+    if unknown:
+        raise BadRequest(
+            f"{FIELD}: unknown key(s) {', '.join(map(shown, unknown))}; known: "
+            + ", ".join(KEYS)
+        )
+    if field.get("max_kv_bytes") is not None:
+        try:
+            parse_size(field["max_kv_bytes"], SIZE_FIELD)
+        except OptionError as e:
+            raise BadRequest(str(e)) from None
 
 
 def _unserved(body, path: str, limits: Limits) -> None:

@@ -52,14 +52,16 @@ class Refused(Exception):
 
 
 class KVEstimate:
-    """Upper bound on one request's KV bytes (module doc), from the patch."""
+    """Upper bound on one request's KV bytes (module doc), from the patch
+    (`options`: bound options of its algorithm the request's caches are made
+    with instead, a request's own budget)."""
 
-    def __init__(self, patch):
+    def __init__(self, patch, options=None):
         from model_adapters import adapter_for
 
         from ..caches.kv_budget import kv_dtype_size
 
-        model, options = patch.model, patch.options
+        model, options = patch.model, options or patch.options
         self.dims = dims = adapter_for(model).dims(model)
         self.dtype = dtype = kv_dtype_size(model)
         self.options = options
@@ -195,6 +197,9 @@ class BoundedPromptCache(LRUPromptCache):
         # time): an exact prompt's entry may hand it the logits it kept
         self.replays = False
         self.disk = None  # disk.DiskEntries (--prompt-cache-dir)
+        # the key of the server's options, whose entries the disk holds (None:
+        # every key's); a request's own budget keys its entries apart
+        self.disk_key = None
 
     def fetch_nearest_cache(self, model, tokens):
         handed, self._handed = self._handed, None
@@ -261,6 +266,13 @@ class BoundedPromptCache(LRUPromptCache):
         entry)."""
         if self.disk is None or not tokens:
             return
+        if not self._on_disk(model):
+            log.info(
+                "prompt cache: the disk holds entries of the server's options "
+                "only, none for this request's own budget (%s)",
+                model[-1],
+            )
+            return
         found = self._trie.search(model, tokens)
         if found.exact is not None:
             return
@@ -276,6 +288,10 @@ class BoundedPromptCache(LRUPromptCache):
         caches, stored, cache_type, kept = loaded
         revive(caches, kept)
         self._keep(model, stored, caches, cache_type, to_disk=False)
+
+    def _on_disk(self, model) -> bool:
+        """Whether entries under `model` (a prompt-cache key) go to disk."""
+        return self.disk_key is None or model == self.disk_key
 
     def _untrimmable_longer(self, model, tokens, cache, rest) -> int:
         """The tokens a longer entry shares with `tokens` when mlx-lm passed it
@@ -371,9 +387,15 @@ class BoundedPromptCache(LRUPromptCache):
             finally:
                 self._trie.stands_for = None
             self._price_logits(model, tokens, prompt_cache)
-            if to_disk and self.disk is not None:
+            if to_disk and self.disk is not None and self._on_disk(model):
                 kept = getattr(_phase(prompt_cache), "prompt_logits", None)
                 self.disk.store(tokens, prompt_cache, cache_type, kept)
+            elif to_disk and self.disk is not None:
+                log.info(
+                    "prompt cache: an entry of a request's own budget (%s) is "
+                    "kept in memory only, not on disk",
+                    model[-1],
+                )
             room = self.ledger.prompt_cache_room() if self.ledger else None
             if room is not None and self.nbytes > room:
                 self.trim_to(n_bytes=room)

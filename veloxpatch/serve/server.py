@@ -30,6 +30,7 @@ from mlx_lm.server import APIHandler, GenerationContext, ModelProvider
 
 from ..errors import OptionError
 from ..mlx_lm_internals import run_http_server, tokenize_request
+from .budgets import BudgetProvider, Budgets
 from .checks import BadRequest, check_body, check_length, model_limits
 from .cuts import CLIENT_GONE, Cut, CuttableGenerator, client_gone, stop_on_signals
 from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused, ReplayingModel
@@ -262,9 +263,11 @@ class Handler(APIHandler):
             provider.load(
                 self.requested_model, self.adapter, self.requested_draft_model
             )
+            budget = state.budgets.of(self.body)  # "veloxpatch": its own budget
             prompt_tokens = self._prompt_tokens(request)
             check_length(prompt_tokens, self.max_tokens, state.limits)
-            need = state.estimate.request_bytes(prompt_tokens, self.max_tokens)
+            estimate = state.estimate if budget is None else budget.estimate
+            need = estimate.request_bytes(prompt_tokens, self.max_tokens)
             state.ledger.admit(need)
         except Refused as e:
             log.warning("refused (%d): %s", e.status, e)
@@ -277,11 +280,14 @@ class Handler(APIHandler):
         except Exception as e:  # a prompt the template cannot take, say
             self._send_error(400, f"cannot read the request: {e}")
             return
+        if budget is not None:  # its args carry the budget to the generation
+            self.response_generator = WithBudget(self.response_generator, budget)
         log.info(
-            "request: %d prompt tokens, max_tokens %d: reserves %s KV bytes "
+            "request: %d prompt tokens, max_tokens %d%s: reserves %s KV bytes "
             "(a full cache: %s); %d in flight hold %s, prompt cache %s, cap %s",
             prompt_tokens,
             self.max_tokens,
+            "" if budget is None else f", {budget.note()}",
             f"{need:,}",
             f"{state.estimate.full_bytes(prompt_tokens, self.max_tokens):,}",
             state.ledger.in_flight,
@@ -419,6 +425,21 @@ class Handler(APIHandler):
         self.wfile.flush()
 
 
+class WithBudget:
+    """A request's view of the generator: its generation arguments carry its
+    own budget (`budgets.RequestBudget`) to the generation thread."""
+
+    def __init__(self, generator, budget):
+        self.generator, self.budget = generator, budget
+
+    def generate(self, request, args, *rest, **kwargs):
+        args.kv_budget = self.budget
+        return self.generator.generate(request, args, *rest, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.generator, name)
+
+
 class Generator(CuttableGenerator):
     """mlx-lm's generation thread, its requests cuttable (`cuts`), whose
     one-at-a-time requests keep their system prompt's prompt-cache entry as
@@ -428,6 +449,13 @@ class Generator(CuttableGenerator):
 
     compress_system = False
 
+    def _is_batchable(self, args):
+        # a request with its own budget is served alone: a batch would hold
+        # caches of other options (and mlx-lm makes a batch's caches once)
+        if getattr(args, "kv_budget", None) is not None:
+            return False
+        return super()._is_batchable(args)
+
     def _serve_single(self, request, stream):
         queue, body, args = request
         read = 0
@@ -435,6 +463,9 @@ class Generator(CuttableGenerator):
         # mlx-lm's calls reach through ReplayingModel (kv.py)
         self.prompt_cache.replays = True
         provider = self.model_provider
+        budget = getattr(args, "kv_budget", None)
+        if budget is not None:  # its caches and prompt-cache key are its own
+            self.model_provider = BudgetProvider(provider, budget)
         try:
             try:
                 read = self._keep_system(body, args)
@@ -446,7 +477,7 @@ class Generator(CuttableGenerator):
                 log.exception("the system prompt's prompt-cache entry was not kept")
             if read:
                 queue = ReadForTheRequest(queue, read)
-            self.model_provider = ReplayingProvider(provider)
+            self.model_provider = ReplayingProvider(self.model_provider)
             super()._serve_single((queue, body, args), stream)
         finally:  # a request that failed before its fetch leaves nothing held
             self.model_provider = provider
@@ -467,7 +498,8 @@ class Generator(CuttableGenerator):
             patch, tokenizer = provider.patch, provider.tokenizer
 
             # the pass's bytes refused before the system prompt is read
-            patch.check_context(len(segments[0]), tokenizer=tokenizer)
+            options = getattr(provider, "kv_options", None)  # a request's own
+            patch.check_context(len(segments[0]), tokenizer=tokenizer, options=options)
 
             def compress(caches, ids):
                 patch.cache_cls.finish_context(patch.model, caches, ids, tokenizer)
@@ -550,6 +582,7 @@ def run(
         ledger=KVLedger(kv_cap, prompt_cache, max_requests),
         tokenizer_lock=threading.Lock(),
         limits=model_limits(provider.model, provider.tokenizer),
+        budgets=Budgets(provider.patch, provider.model_key, kv_cap),
     )
     if prompt_cache_dir is not None:
         from .disk import DiskEntries, server_identity
@@ -558,6 +591,7 @@ def run(
         prompt_cache.disk = DiskEntries(
             prompt_cache_dir, prompt_cache_disk_bytes, identity
         )
+        prompt_cache.disk_key = provider.model_key  # the entries of its options
     state.generator = Generator(provider, prompt_cache)
     state.generator.compress_system = compress_system
     log.info(

@@ -1,0 +1,139 @@
+"""A request's own KV budget (`"veloxpatch": {"max_kv_bytes": ...}`, serve/
+budgets.py), on tiny models: the field's checks (400s naming it), the caches
+and reservation made with the request's options, and prompt-cache entries
+that never cross budgets. The server end to end: test_serve.py."""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from helpers import greedy
+from tiny import prompt_tokens, tiny_model
+
+import veloxpatch
+from veloxpatch.caches.kv_budget import bound_bytes, budget_for_bytes, kv_dtype_size
+from veloxpatch.memory import kv_bytes
+from veloxpatch.serve.budgets import BudgetProvider, Budgets
+from veloxpatch.serve.checks import BadRequest, Limits, check_body
+from veloxpatch.serve.kv import BoundedPromptCache, KVEstimate
+
+KEY = ("tiny", None, None)
+LIMITS = Limits(vocab=512, context=4096)
+ASK = [{"role": "user", "content": "hi"}]
+PROMPT = prompt_tokens(200, seed=3).tolist()
+
+
+def body(field):
+    return {"messages": ASK, "veloxpatch": field}
+
+
+@pytest.mark.parametrize(
+    "field, says",
+    [
+        ("8MB", "veloxpatch must be an object"),
+        ([1], "veloxpatch must be an object"),
+        ({"max_kv_bytes": "8MB", "budget": 3}, 'veloxpatch: unknown key(s) "budget"'),
+        ({"max_kv_bytes": "lots"}, "veloxpatch.max_kv_bytes must be a size"),
+        ({"max_kv_bytes": -5}, "veloxpatch.max_kv_bytes must be at least 1 byte"),
+        ({"max_kv_bytes": True}, "veloxpatch.max_kv_bytes must be a size"),
+    ],
+)
+def test_the_field_of_the_wrong_shape_is_a_400_naming_it(field, says):
+    with pytest.raises(BadRequest) as e:
+        check_body(body(field), "/v1/chat/completions", LIMITS)
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize("field", [None, {}, {"max_kv_bytes": "8MB"}])
+def test_the_field_absent_empty_or_well_formed_passes(field):
+    check_body(body(field), "/v1/chat/completions", LIMITS)
+
+
+@pytest.fixture
+def snapkv():
+    model = tiny_model("llama")
+    with veloxpatch.patched(model, "snapkv", budget=64, window=8) as patch:
+        yield model, patch
+
+
+def test_a_size_the_server_cannot_take_is_a_400_before_any_work(snapkv):
+    model, patch = snapkv
+    budgets = Budgets(patch, KEY, cap=10_000_000)
+    for size, says in [
+        ("20MB", "is more than the server's --kv-cap (10,000,000 bytes)"),
+        ("1KB", "buys"),  # fewer rows than the sinks and the window
+    ]:
+        with pytest.raises(BadRequest) as e:
+            budgets.of(body({"max_kv_bytes": size}))
+        assert str(e.value).startswith("veloxpatch.max_kv_bytes"), str(e.value)
+        assert says in str(e.value)
+    assert budgets.of(body(None)) is None
+    assert budgets.of({"messages": ASK}) is None
+
+
+@pytest.mark.parametrize("algo", ["full", "kivi"])
+def test_an_algorithm_without_a_budget_takes_no_max_kv_bytes(algo):
+    model = tiny_model("llama", head_dim=32)  # kivi's smallest group: 32
+    with veloxpatch.patched(model, algo) as patch:
+        with pytest.raises(BadRequest) as e:
+            Budgets(patch, KEY, cap=None).of(body({"max_kv_bytes": "8MB"}))
+    message = str(e.value)
+    assert message.startswith("veloxpatch.max_kv_bytes: ") and "no budget" in message
+
+
+def test_the_request_gets_caches_priced_at_its_size_and_others_the_servers(snapkv):
+    """The budget its size buys (kv_budget's pricing, the server's other
+    options kept), its caches holding at most that many bytes after its
+    prompt and decode; a request without the field is served as before."""
+    model, patch = snapkv
+    limit = 40_000
+    budget = Budgets(patch, KEY, cap=None).of(body({"max_kv_bytes": limit}))
+    dims, dtype = budget.estimate.dims, kv_dtype_size(model)
+    rows = budget_for_bytes(budget.options, dims, dtype, limit)
+    assert budget.options.budget == rows and 8 < rows < 64
+    assert budget.options.window == 8  # the server's other options kept
+    assert bound_bytes(budget.options, dims, dtype, rows) <= limit
+    provider = BudgetProvider(SimpleNamespace(model=model, patch=patch), budget)
+    caches = provider.model.make_cache()
+    assert [c.options.budget for c in caches] == [rows] * len(caches)
+    greedy(provider.model, mx.array(PROMPT), n=8, prompt_cache=caches)
+    assert 0 < kv_bytes(caches) <= limit
+    plain = model.make_cache()
+    assert [c.options.budget for c in plain] == [64] * len(plain)
+    greedy(model, mx.array(PROMPT), n=8, prompt_cache=plain)
+    assert kv_bytes(plain) > limit  # 64 rows: more than the request's size
+    # the reservation is its own bound's, not the server's
+    ours = budget.estimate.request_bytes(len(PROMPT), 8)
+    servers = KVEstimate(patch).request_bytes(len(PROMPT), 8)
+    assert budget.estimate.budget == rows and ours < servers
+
+
+def test_the_same_size_again_reuses_its_bound_options(snapkv):
+    model, patch = snapkv
+    budgets = Budgets(patch, KEY, cap=None)
+    first = budgets.of(body({"max_kv_bytes": "40KB"}))
+    assert budgets.of(body({"max_kv_bytes": "40000"})) is first
+    other = budgets.of(body({"max_kv_bytes": "50KB"}))
+    assert other.key != first.key != KEY
+
+
+def test_an_entry_made_under_one_budget_is_never_handed_to_another(snapkv):
+    """Prompt-cache entries live under their budget's key: the same prompt
+    under the server's options or another size starts over."""
+    model, patch = snapkv
+    patch.keep_snapshots = True
+    budgets = Budgets(patch, KEY, cap=None)
+    small = budgets.of(body({"max_kv_bytes": "40KB"}))
+    other = budgets.of(body({"max_kv_bytes": "50KB"}))
+    store = BoundedPromptCache()
+    caches = BudgetProvider(SimpleNamespace(model=model, patch=patch), small)
+    caches = caches.model.make_cache()
+    toks, _ = greedy(model, mx.array(PROMPT), n=4, prompt_cache=caches)
+    store.insert_cache(small.key, PROMPT + toks, caches)
+    assert len(store) == 1
+    for key in (KEY, other.key):
+        cache, rest = store.fetch_nearest_cache(key, PROMPT + toks + [1])
+        assert cache is None and len(rest) == len(PROMPT) + len(toks) + 1
+    cache, rest = store.fetch_nearest_cache(small.key, PROMPT + [1])
+    assert cache is not None and rest == [1]
+    assert [c.options.budget for c in cache] == [small.options.budget] * len(cache)
