@@ -568,6 +568,10 @@ def write_markdown(out, res: dict):
         "Unexpected: a bad request answered other than 4xx, or any other request "
         "answered other than 200 (a status, an exception class, `Timeout`).",
     ]
+    runs = [r for r in res["table"] if r.get("command")]
+    if len(runs) > 1:
+        body += ["", "Each server's run:", ""]
+        body += [f"- `{r['arm']}`: `{r['command']}`" for r in runs]
     if res.get("plot"):
         plot = res["plot"]
         body += ["", f"![memory over time]({plot})" if plot.endswith(".png") else plot]
@@ -633,9 +637,14 @@ def main(argv=None):
         from bench_serve import serve_unpatched
 
         return serve_unpatched(args.serve_unpatched)
+    from veloxpatch.errors import OptionError
     from veloxpatch.prose import check_source
 
-    check_source(args.text)
+    try:
+        check_source(args.text)
+    except OptionError as e:
+        print(f"bench_soak.py: {e}", file=sys.stderr)
+        return 2
     # SIGTERM as Ctrl-C: the finally blocks stop the server's group
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from veloxpatch.eval.runinfo import run_info, write_results
@@ -644,11 +653,13 @@ def main(argv=None):
     config = {
         k: v for k, v in vars(args).items() if k not in ("serve_unpatched", "add")
     }
+    # a second run (--add, or --arm mlx) joins the file's table
+    joined = (args.add or args.arm == "mlx") and Path(args.out).is_file()
+    old = added_to(args.out, config) if joined else None
     info = run_info()
     res = {"run": info, "command": command, "config": config, "table": []}
-    # a second run (--add, or --arm mlx) joins the file's table
-    if (args.add or args.arm == "mlx") and Path(args.out).is_file():
-        res = json.loads(Path(args.out).read_text())
+    if old is not None:
+        res = old
         res.setdefault("added", []).append(
             {"run": info, "command": command, "config": config}
         )
@@ -656,14 +667,48 @@ def main(argv=None):
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="bench_soak_")) / "server.log"
     print(f"{label}: server log {log_path}", flush=True)
-    row = soak(server_command(args.arm, args.serve_args, port), port, args, log_path)
-    row = {"arm": label, "users": args.users, **row}
+    try:
+        cmd = server_command(args.arm, args.serve_args, port)
+        row = soak(cmd, port, args, log_path)
+    except KeyboardInterrupt:  # soak's finally has stopped the server
+        print("interrupted: the server is stopped, nothing written", file=sys.stderr)
+        return 130
+    row = {"arm": label, "users": args.users, "command": command, **row}
     res["table"] = [r for r in res["table"] if r["arm"] != label] + [row]
     write_plot(args.out, res)
     write_results(args.out, res)
     print(write_markdown(args.out, res), flush=True)
     print(report(row), flush=True)
     return 0
+
+
+# settings the users' requests depend on: runs side by side must share them
+SHARED = (
+    "users",
+    "minutes",
+    "sample_s",
+    "max_tokens",
+    "doc_tokens_min",
+    "doc_tokens_max",
+    "text",
+    "seed",
+    "request_timeout",
+)
+
+
+def added_to(path, config: dict) -> dict:
+    """The results in `path`, which a run with `config` may join (one line
+    and exit status 2 when a shared setting differs)."""
+    old = json.loads(Path(path).read_text())
+    for key in SHARED:
+        if old["config"].get(key) != config[key]:
+            print(
+                f"bench_soak.py: {path} ran with {key} {old['config'].get(key)!r}, "
+                f"not {config[key]!r}: the runs would not be side by side",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
+    return old
 
 
 def report(row: dict) -> str:

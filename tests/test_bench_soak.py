@@ -150,3 +150,14 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text()
     except OSError:
         return ""
+
+
+def test_a_second_run_joins_only_a_file_with_the_same_settings(tmp_path, capsys):
+    config = {k: v for k, v in vars(bs.parse_args([])).items() if k != "add"}
+    path = tmp_path / "bench_soak.json"
+    path.write_text(json.dumps({"config": config, "table": [{"arm": "a"}]}))
+    assert bs.added_to(path, config)["table"] == [{"arm": "a"}]
+    with pytest.raises(SystemExit) as e:
+        bs.added_to(path, {**config, "minutes": 5})
+    assert e.value.code == 2
+    assert "minutes 20" in capsys.readouterr().err
