@@ -58,19 +58,19 @@ def test_query_aware_codebook_beats_plain_k_means_on_smollm(loaded):
     assert means[True]["error"] < means[False]["error"]
 
 
-def kivi_continuation_kl(model, tokenizer, start, option_sets, chunk=576):
-    """KL(full || kivi) of a 64-token continuation teacher-forced after 576
+def kivi_continuation_kl(model, tokenizer, start, option_sets, chunk=384):
+    """KL(full || kivi) of a 32-token continuation teacher-forced after 384
     tokens of prose from `start` (read in calls of `chunk`), for each of the
     kivi option sets, with each run's first-layer cache."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from veloxpatch.eval.metrics import agreement_and_kl, teacher_forced
 
-    ids = prose_tokens(tokenizer, 640, start=start)
-    context, cont = mx.array(ids[:576]), ids[576:]
+    ids = prose_tokens(tokenizer, 416, start=start)
+    context, cont = mx.array(ids[:384]), ids[384:]
 
     def logprobs(caches):
-        for first in range(0, 575, chunk):
+        for first in range(0, 383, chunk):
             logits = model(context[None, first : first + chunk], cache=caches)
         return teacher_forced(model, caches, logits[0, -1], cont)
 
@@ -86,10 +86,11 @@ def kivi_continuation_kl(model, tokenizer, start, option_sets, chunk=576):
 @smollm
 def test_default_2_bit_rows_stay_close_to_the_model(loaded):
     # kv_bits=2 alone is the query recipe (kv_quant.py); its KL on committed
-    # runs is about 0.01-0.02, plain 2-bit KIVI's about 0.16: a broken scaling,
+    # runs is about 0.01-0.02, plain 2-bit KIVI's about 0.16; on this short
+    # context 0.039 against plain's 0.53: a broken scaling,
     # rotation or rounding lands far above this loose bound
     ((kl, cache),) = kivi_continuation_kl(
         *loaded, 33000, [dict(bits=2, residual=16)], chunk=256
     )
     assert cache.store.key_factor is not None and cache.store.signs is not None
-    assert kl < 0.08
+    assert kl < 0.12
