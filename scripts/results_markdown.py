@@ -2,7 +2,8 @@
 next to its `X.json` (what ran, when, and its table), through `write_beside`.
 
 Re-make the table of committed results, with no new measurement (SCRIPT is the
-script that wrote them, `eval` for `veloxpatch eval` and scripts/quality_*.py):
+script that wrote them, `eval` for `veloxpatch eval` and scripts/quality_*.py, `bench`
+for `veloxpatch bench`):
 
     .venv/bin/python scripts/results_markdown.py bench_decode \\
         scripts/results/bench_decode.json
@@ -133,6 +134,27 @@ def eval_beside(out, res: dict) -> Path:
     return write_beside(out, shown, prog, eval_markdown(res), prog, rename)
 
 
+def bench_beside(out, res: dict) -> Path:
+    """`veloxpatch bench`: prefill and decode rates against unpatched mlx-lm in
+    the same run (medians of the repeats), KV held and peaks."""
+    rows = [
+        [
+            r["context"],
+            f"`{r['arm']}`",
+            f"{r['prefill_tok_per_s']:.1f}",
+            f"{r['prefill_ratio']:.2f}",
+            f"{r['decode_tok_per_s']:.2f}",
+            f"{r['decode_ratio']:.2f}",
+            mb(r["kv_bytes"]),
+            mb(r["peak_memory_bytes"]),
+        ]
+        for r in res["table"]
+    ]
+    head = ["context", "arm", "prefill tok/s", "vs unpatched", "decode tok/s"]
+    body = table(head + ["vs unpatched", "KV MB", "peak MB"], rows)
+    return write_beside(out, res, "veloxpatch bench", body, "veloxpatch bench")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print("usage: results_markdown.py SCRIPT RESULTS.json...", file=sys.stderr)
@@ -142,8 +164,8 @@ def main(argv: list[str]) -> int:
     if missing:
         print(f"no such results file: {', '.join(missing)}", file=sys.stderr)
         return 2
-    if script == "eval":
-        write = eval_beside
+    if script in ("eval", "bench"):
+        write = eval_beside if script == "eval" else bench_beside
     else:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         write = importlib.import_module(script).write_markdown
