@@ -69,3 +69,14 @@ def test_any_option_value_is_refused_clearly_or_gives_finite_output(algo, data):
         return
     assert bool(mx.isfinite(logits).all().item()), (name, value)
     assert not (isinstance(value, float) and not math.isfinite(value)), (name, value)
+
+
+@pytest.mark.parametrize(
+    "algo, name", [("kvzap", "scorer"), ("qfilters", "filters"), ("a2ats", "codebook")]
+)
+@pytest.mark.parametrize("path", ["\n", "a\tb.safetensors"])
+def test_a_file_option_with_control_characters_is_one_line(algo, name, path):
+    # the errors that name the file must stay one line (hypothesis found "\n")
+    with pytest.raises(VeloxpatchError) as e:
+        veloxpatch.apply(MODEL, algo, **{name: path})
+    assert "\n" not in str(e.value) and "must be a file path" in str(e.value)

@@ -94,7 +94,8 @@ def files_of(options) -> dict:
 def check_path(name: str, value) -> None:
     """A file path option (None is allowed by the caller before this)."""
     assert name in PATH_OPTIONS, name  # absolute_paths must know it
-    if not isinstance(value, str) or not value:
+    # control characters would break the one-line errors that name the file
+    if not isinstance(value, str) or not value or not value.isprintable():
         raise OptionError(f"{name} must be a file path, got {value!r}")
 
 
