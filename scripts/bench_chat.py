@@ -299,24 +299,29 @@ class Server:
         return out
 
 
+def spawn_server(cmd: list[str], log_path: Path, limit_s) -> subprocess.Popen:
+    """`cmd` from the repository root in its own process group, logging to
+    `log_path`, under `timeout` so it stops itself after `limit_s` seconds."""
+    full = ["timeout", "--kill-after=10", str(int(limit_s)), *cmd]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            full,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+
 @contextlib.contextmanager
 def server(arm: str, args, log_path: Path):
     """A fresh server on a free loopback port, in its own process group (all
     of it killed on the way out), stopping itself after --server-timeout."""
     port = free_port()
-    cmd = ["timeout", "--kill-after=10", str(args.server_timeout)]
-    cmd += server_command(arm, args.budget, port, args.scorer)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
+    cmd = server_command(arm, args.budget, port, args.scorer)
+    proc = spawn_server(cmd, log_path, args.server_timeout)
     try:
         wait_healthy(proc, port, log_path, args.start_timeout)
         srv = Server(port, log_path)

@@ -179,18 +179,9 @@ def free_port() -> int:
 def start_server(cmd: list[str], port: int, log_path: Path, limit_s: float, wait_s):
     """`cmd` in its own process group under `timeout` (it stops itself after
     `limit_s` if this script cannot), once /health answers 200."""
-    full = ["timeout", "--kill-after=10", str(int(limit_s)), *cmd]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            full,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
+    from bench_chat import spawn_server
+
+    proc = spawn_server(cmd, log_path, limit_s)
     try:
         deadline = time.time() + wait_s
         while time.time() < deadline and proc.poll() is None:

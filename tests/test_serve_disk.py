@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from conftest import smollm
 from serving import running_server
-from test_serve_policy import ASK_A, ASK_B, DOC, serve_replaying
-from tiny import SCORER, resolve_options, tiny_model
+from test_serve_policy import ASK_A, ASK_B, DOC, REPLAY_ARMS, serve_replaying
+from tiny import resolve_options, tiny_model
 
 import veloxpatch
 from veloxpatch.serve.disk import DiskEntries
@@ -40,15 +40,7 @@ def lines(caplog, text):
     return [r for r in caplog.records if text in r.getMessage()]
 
 
-@pytest.mark.parametrize(
-    "algo,opts",
-    [
-        ("kvzip", dict(budget=24)),
-        ("kvzap", dict(budget=48, scorer=SCORER)),
-        ("snapkv", dict(budget=24, window=8)),
-        ("full", {}),
-    ],
-)
+@pytest.mark.parametrize("algo,opts", REPLAY_ARMS)
 def test_after_a_restart_a_prompt_continues_from_the_entry_on_disk(
     algo, opts, tmp_path
 ):

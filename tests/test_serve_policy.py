@@ -14,6 +14,15 @@ from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
 import veloxpatch
 from veloxpatch.serve.kv import BoundedPromptCache, kept_for_later
 
+# an algorithm of each kind of prompt-cache entry: reconstructed, predicted,
+# prompt-end compressed, full
+REPLAY_ARMS = [
+    ("kvzip", dict(budget=24)),
+    ("kvzap", dict(budget=48, scorer=SCORER)),
+    ("snapkv", dict(budget=24, window=8)),
+    ("full", {}),
+]
+
 DOC = prompt_tokens(60).tolist()
 ASK_A = prompt_tokens(6, seed=11).tolist()
 ASK_B = prompt_tokens(6, seed=12).tolist()
@@ -401,15 +410,7 @@ def serve_replaying(model, store, prompt, n=6):
         store.replays = False
 
 
-@pytest.mark.parametrize(
-    "algo,opts",
-    [
-        ("kvzip", dict(budget=24)),
-        ("kvzap", dict(budget=48, scorer=SCORER)),
-        ("snapkv", dict(budget=24, window=8)),
-        ("full", {}),
-    ],
-)
+@pytest.mark.parametrize("algo,opts", REPLAY_ARMS)
 def test_the_same_prompt_again_continues_from_its_entry(algo, opts):
     """A retry (the same prompt): every algorithm whose entry holds the prompt
     reuses all but its last token, and gives the same tokens and logprobs.
