@@ -17,9 +17,9 @@ Rows are rounded up to the 256-row growth step, and positions (4 bytes a row)
 are counted. It is a bound, not a measurement: the per-request log line says
 what the caches really held, next to what mlx-lm's own cache would have held.
 
-When a request does not fit, prompt-cache entries are evicted (mlx-lm's LRU
-order) first; if it still does not fit it is refused: 503 while others hold the
-room (try again later), 413 when it could never fit.
+When a request does not fit, prompt-cache entries are evicted (least recently
+used first, `RecencyOrder`) first; if it still does not fit it is refused: 503
+while others hold the room (try again later), 413 when it could never fit.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections import deque
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -178,6 +179,67 @@ class KeepingPromptTrie(PromptTrie):
                 self.add(model, tokens[:n], entry)
         return gone
 
+    def only_extended_by(self, model, tokens) -> list[int]:
+        """The lengths of the entries that start `tokens` and that no entry
+        but the one of `tokens` extends: a conversation's earlier turns, not a
+        system prompt other conversations branch from."""
+        node, found = self._trie.get(model, {}), []
+        for n, tok in enumerate(tokens):
+            if "__value__" in node and _values_below(node, 3) == 2:
+                found.append(n)  # itself and the one entry of `tokens`
+            node = node.get(tok)
+            if node is None:
+                break
+        return found
+
+
+def _values_below(node, most: int) -> int:
+    """Entries at or under a trie node, counted up to `most`."""
+    count, stack = 0, [node]
+    while stack and count < most:
+        node = stack.pop()
+        count += "__value__" in node
+        stack.extend(v for k, v in node.items() if k != "__value__")
+    return min(count, most)
+
+
+class RecencyOrder(LRUPromptCache.CacheOrder):
+    """The order entries are evicted in: the least recently used first, of any
+    type (mlx-lm's evicts from whichever of its assistant, user and system
+    lists is longest, so a document's system entry could push out another
+    user's conversation). A fetch is a use (`touch`); an entry only a newer one
+    extends, a conversation that has moved on, goes first (`touch(first=True)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self._all = deque()  # (model, tokens, cache type), least recent first
+
+    def push(self, model, tokens, cache_type="assistant"):
+        super().push(model, tokens, cache_type)
+        self._all.append((model, tokens, cache_type))
+
+    def remove(self, model, tokens):
+        super().remove(model, tokens)
+        self._take(model, tokens)
+
+    def pop(self):
+        model, tokens, cache_type = self._all.popleft()
+        self._lrus[cache_type].remove((model, tokens))
+        return model, tokens
+
+    def touch(self, model, tokens, first: bool = False) -> None:
+        """Make an entry the most recently used (`first`: the least)."""
+        item = self._take(model, tokens)
+        if item is not None:
+            self._all.appendleft(item) if first else self._all.append(item)
+
+    def _take(self, model, tokens):
+        for i, item in enumerate(self._all):
+            if item[0] == model and item[1] == tokens:
+                del self._all[i]
+                return item
+        return None
+
 
 class BoundedPromptCache(LRUPromptCache):
     """mlx-lm's prompt cache, shared between the generation thread and request
@@ -190,6 +252,7 @@ class BoundedPromptCache(LRUPromptCache):
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
         super().__init__(max_size, max_bytes)
         self._trie = KeepingPromptTrie()
+        self._lru = RecencyOrder()
         self._lock = threading.RLock()
         self.ledger: KVLedger | None = None
         self._handed = None  # keep_system's fetch, for the request it ran for
@@ -209,6 +272,8 @@ class BoundedPromptCache(LRUPromptCache):
             self._load_from_disk(model, tokens)
             cache, rest = super().fetch_nearest_cache(model, tokens)
             longer = self._untrimmable_longer(model, tokens, cache, rest)
+            if cache is not None:
+                self._touch_used(model, tokens, len(tokens) - len(rest))
         if longer:
             log.info(
                 "prompt cache: an entry shares %d of these %d tokens but its "
@@ -289,6 +354,19 @@ class BoundedPromptCache(LRUPromptCache):
         revive(caches, kept)
         self._keep(model, stored, caches, cache_type, to_disk=False)
 
+    def _touch_used(self, model, tokens, shared: int) -> None:
+        """Mark the entry a fetch of `tokens` used (sharing `shared` of them)
+        as the most recently used."""
+        found = self._trie.search(model, tokens)
+        if found.exact is not None:
+            used = found.exact
+        elif found.shorter is not None and len(found.shorter) == shared:
+            used = found.shorter
+        else:
+            used = found.longer
+        if used is not None:
+            self._lru.touch(model, used)
+
     def _on_disk(self, model) -> bool:
         """Whether entries under `model` (a prompt-cache key) go to disk."""
         return self.disk_key is None or model == self.disk_key
@@ -317,6 +395,7 @@ class BoundedPromptCache(LRUPromptCache):
             # read, not trimmed: checked before it is worth a copy
             if not trimmed_exactly(entry.prompt_cache, len(found.shorter), len(rest)):
                 return None, tokens
+            self._lru.touch(model, found.shorter)
             return copy.deepcopy(entry.prompt_cache), rest
 
     def keep_system(
@@ -386,6 +465,8 @@ class BoundedPromptCache(LRUPromptCache):
                 super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
             finally:
                 self._trie.stands_for = None
+            for n in self._trie.only_extended_by(model, tokens):
+                self._lru.touch(model, tokens[:n], first=True)  # moved on from
             self._price_logits(model, tokens, prompt_cache)
             if to_disk and self.disk is not None and self._on_disk(model):
                 kept = getattr(_phase(prompt_cache), "prompt_logits", None)
