@@ -21,7 +21,8 @@ Each user loops over a seeded mix, all greedy and streamed:
 Every --sample-s seconds: the server group's RSS (the sum of VmRSS over its
 processes) and, from veloxpatch's /health, the KV reserved by requests in
 flight and the prompt cache's bytes. Summary: RSS at each quarter of the run,
-RSS max/min after the first quarter (flat: within 10%), status counts per kind,
+RSS max/min after the first quarter (flat: within 10%), the last quarter's
+RSS peak over the second's (growth), status counts per kind,
 TTFT p50/p90/p99 (time to the first content chunk), and a PNG of the samples
 (matplotlib, the `plot` extra; without it the plot is skipped with a note).
 """
@@ -109,6 +110,18 @@ def flatness(samples: list[dict], warmup_s: float, key: str = "rss_bytes") -> di
     return {"max": max(xs), "min": min(xs), "ratio": ratio, "flat": ratio <= 1.10}
 
 
+def peak_growth(samples: list[dict], seconds: float, key: str = "rss_bytes"):
+    """The last quarter's peak of `key` over the second quarter's: whether what
+    a request holds while it runs (a prompt's prefill, max/min's swing) grows."""
+
+    def peak(a, b):
+        xs = [s[key] for s in samples if a <= s["t"] < b and s.get(key) is not None]
+        return max(xs, default=None)
+
+    second, last = peak(seconds / 4, seconds / 2), peak(seconds * 3 / 4, seconds + 1)
+    return None if not second or last is None else last / second
+
+
 def expected(record: dict) -> bool:
     """A bad request got a 4xx; any other got a 200."""
     status = record["status"]
@@ -154,6 +167,7 @@ def summarize(samples: list[dict], records: list[dict], seconds: float) -> dict:
             for t in quarters
         ],
         "rss_after_warmup": flatness(samples, quarters[0]),
+        "rss_peak_growth": peak_growth(samples, seconds),
         "rss_max_bytes": peak("rss_bytes"),
         "reserved_max_bytes": peak("reserved_bytes"),
         "prompt_cache_max_bytes": peak("prompt_cache_bytes"),
@@ -530,6 +544,7 @@ def write_markdown(out, res: dict):
             rows.append([f"`{r['arm']}`", "failed: " + r["error"].splitlines()[0]])
             continue
         flat = r["rss_after_warmup"]
+        growth = r.get("rss_peak_growth") or peak_growth(r["samples"], r["seconds"])
         statuses = ", ".join(f"{k}: {v}" for k, v in sorted(r["statuses"].items()))
         rows.append(
             [
@@ -538,6 +553,7 @@ def write_markdown(out, res: dict):
                 f"{r['seconds'] / 60:.0f}",
                 " / ".join(mb(q["rss_bytes"]) for q in r["rss_at"]),
                 "" if flat["ratio"] is None else f"{flat['ratio']:.3f}",
+                "" if growth is None else f"{growth:.3f}",
                 mb(r.get("reserved_max_bytes")),
                 mb(r.get("prompt_cache_max_bytes")),
                 r["requests"],
@@ -550,7 +566,8 @@ def write_markdown(out, res: dict):
             ]
         )
     head = ["server", "users", "minutes", "RSS MB at each quarter"]
-    head += ["RSS max/min after 1st quarter", "KV reserved max MB"]
+    head += ["RSS max/min after 1st quarter", "RSS peak, 4th quarter / 2nd"]
+    head += ["KV reserved max MB"]
     head += ["prompt cache max MB", "requests", "statuses", "unexpected"]
     head += ["TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "retries same text"]
     body = table(head, rows)
