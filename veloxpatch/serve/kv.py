@@ -284,7 +284,11 @@ class BoundedPromptCache(LRUPromptCache):
                 if cache is None
                 else f"a shorter one holds {len(tokens) - len(rest)} tokens",
             )
-        why = "the nearest entry was trimmed past evictions"
+        shared = len(tokens) - len(rest)
+        why = (
+            f"the nearest entry shares {shared} of these {len(tokens)} tokens but "
+            "was trimmed past evictions"
+        )
         if cache is not None and not rest and tokens:
             # an entry of exactly this prompt (kept_for_later stores prompts):
             # mlx-lm needs a token to prefill, so give the last one back
