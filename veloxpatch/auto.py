@@ -288,6 +288,48 @@ def _buys(model, algo, options, size) -> bool:
     return True
 
 
+def held_rows(model, algo: str, target: Target, n_tokens: int, options: dict):
+    """`options` with the rows `target` buys for a prompt of `n_tokens`; where
+    it buys too few, one OptionError line naming the smallest target that
+    would."""
+    size = target.bytes_for(model, n_tokens)
+    try:
+        return held_options(model, algo, size, options)
+    except OptionError:
+        need = smallest_target(model, algo, options, size)
+        if need is None:
+            raise
+    if target.ratio is not None:
+        fix = f"{math.ceil(1000 * need / full_bytes(model, n_tokens)) / 10:g}%"
+    else:
+        fix = f"{need:,} bytes"
+    raise OptionError(
+        f"max_kv_bytes={target} buys too few rows for {algo} on a {n_tokens}-token "
+        f"prompt of this model (fewer than it always keeps); the smallest target "
+        f"that works is {fix}"
+    )
+
+
+def resolve(model, options: dict, path: str, n_tokens=None) -> Choice:
+    """Auto's choice from the options `apply(algo="auto", ...)` was given:
+    `max_kv_bytes` (the target) and `max_peak_bytes`, nothing else."""
+    other = sorted(set(options) - {"max_kv_bytes", "max_peak_bytes"})
+    if other:
+        raise OptionError(
+            "algo='auto' chooses the algorithm and its options; give only "
+            f"max_kv_bytes (and max_peak_bytes), or name an algorithm (got "
+            f"{', '.join(other)})"
+        )
+    if options.get("max_kv_bytes") is None:
+        raise OptionError(
+            "algo='auto' needs max_kv_bytes: a share of the full KV like '20%' or "
+            "a size like '24MB'"
+        )
+    return choose(
+        model, options["max_kv_bytes"], path, n_tokens, options.get("max_peak_bytes")
+    )
+
+
 def choose(
     model, target, path: str = "apply", n_tokens=None, max_peak_bytes=None, table=None
 ) -> Choice:
@@ -330,23 +372,7 @@ def choose(
             f"{TABLE.name} has no usable configuration at {at:.0%}; rebuild it "
             f"with `{BUILD}`"
         )
-    opts = _options_of(row, scorer)
-    try:
-        opts = held_options(model, row["algo"], size, opts)
-    except OptionError:
-        need = smallest_target(model, row["algo"], opts, size)
-        if need is None:
-            raise
-        fix = (
-            f"{math.ceil(1000 * need / full) / 10:g}%"
-            if target.ratio is not None
-            else f"{need:,} bytes"
-        )
-        raise OptionError(
-            f"max_kv_bytes={target} buys too few rows for {row['algo']} on "
-            f"a {n}-token prompt of this model (fewer than it always keeps); the "
-            f"smallest target that works is {fix}"
-        ) from None
+    opts = held_rows(model, row["algo"], target, n, _options_of(row, scorer))
     kvzap_rows = any(
         r["algo"] == "kvzap" and r["fraction"] == at and not r["anchor"]
         for r in table["rows"]
