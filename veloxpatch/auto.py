@@ -4,6 +4,20 @@ A target is bytes ("24MB") or a ratio of the full cache ("20%": of each
 prompt's full KV, what mlx-lm's own cache holds for it in the model's dtype).
 It bounds what is held once the prompt is read: a configuration's rows are the
 most whose decode-time bytes (`kv_budget.bound_bytes`) fit it.
+
+The choice (`rule`, docs/auto.md) reads the measured table `auto_table.json`
+(package data, rebuilt by `python scripts/bench_auto.py`): at the largest
+table fraction at or below the target's, the candidate with the best worst
+case over the protocols of the path, ties to the faster prefill; kvzap only
+where the calibration cache holds a scorer for this model.
+
+When rows are fixed: where the prompt is known first (the CLI), auto chooses
+for it. `apply` chooses before any prompt (the algorithm depends only on the
+fraction; a size is read against the table's context length); a size then
+fixes the rows, while a share sets each prompt's rows where its caches are made
+(`Patch.options_for_tokens`: `patch.prefill`, `make_cache(n_tokens=)`, and
+mlx-lm's generate_step, whose prompt is read from its frame). The server
+chooses once at load, for a size per sequence.
 """
 
 from __future__ import annotations
