@@ -277,3 +277,12 @@ def test_the_committed_table_parses_and_auto_applies_the_rule_to_it():
             for kvzap in (True, False):
                 row, _ = auto.rule(table, f, path, kvzap)
                 assert row is independent_rule(table, f, path, kvzap)
+
+
+def test_a_choice_made_for_one_prompt_keeps_its_rows(fixture_table):
+    """The CLI chooses for the prompt it read: its caches need no prompt."""
+    model = model32()
+    choice = auto.choose(model, "35%", "generate", n_tokens=600)
+    with veloxpatch.patched(model, choice.algo, **choice.options) as patch:
+        patch.auto = choice
+        assert patch.make_cache()[0].options.budget == choice.budget

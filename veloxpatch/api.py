@@ -133,7 +133,11 @@ class Patch:
         return caches
 
     def _share_target(self) -> bool:
-        return self.auto is not None and self.auto.target.ratio is not None
+        # a choice made for one prompt (the CLI's) has that prompt's rows
+        auto = self.auto
+        return (
+            auto is not None and auto.target.ratio is not None and auto.measured_length
+        )
 
     def options_for_tokens(self, n_tokens):
         """This patch's options with the rows its share target buys for a
