@@ -188,7 +188,7 @@ BEFORE_LOAD = [
     ("serve --algo snapkv --budget 8 --algo-arg budget=4", "budget given twice"),
     ("serve --algo snapkv --budget 0", "budget must be >= 1, got 0"),
     ("serve --kv-cap 3XB", "--kv-cap must be a size"),
-    ("serve --max-kv-bytes 2GB", "the server's cap is --kv-cap"),
+    ("serve --algo full --max-kv-bytes 2GB", "the server's cap is --kv-cap"),
     ("serve --algo snapkv --max-kv-bytes 3XB", "max_kv_bytes must be a size"),
     (
         "serve --algo snapkv --max-kv-bytes 1MB --algo-arg max_kv_bytes=2MB",

@@ -8,6 +8,7 @@ half-patched. Restoring puts back the very same objects.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import weakref
 
@@ -78,20 +79,29 @@ class Patch:
         self.options = options
         self._make = cache_cls.for_options(options)
         self._by_budget: dict = {}  # max_kv_size -> (class, options)
+        self.auto = None  # auto.Choice, where algo="auto" chose this algorithm
+        self._by_tokens: dict = {}  # a share target: prompt tokens -> options
         self.active = False
         self._prior_make_cache = _MISSING
         self._last_caches: list = []
 
     # -- caches ------------------------------------------------------------------
-    def make_cache(self, probe=None, max_kv_size=None, *, options=None) -> list:
+    def make_cache(
+        self, probe=None, max_kv_size=None, *, options=None, n_tokens=None
+    ) -> list:
         """One cache per layer: the algorithm's cache on patched layers, mlx-lm's
         own type (e.g. RotatingKVCache) on sliding-window layers. The layers of
         one prompt cache share one prompt phase. `probe`: fn(caches.base.Seen),
         called with what every patched attention call sees. `max_kv_size` (also
         read from mlx-lm's make_prompt_cache): the budget of these caches.
         `options`: bound options of this algorithm to make them with instead
-        (`options_for_bytes`)."""
+        (`options_for_bytes`). `n_tokens`: the prompt's length, which sets the
+        rows of a share target (`algo="auto", max_kv_bytes="20%"`); mlx-lm's
+        generate functions give it without asking."""
         asked, kv_bits = mlx_flags.requested()
+        if options is None and self._share_target():
+            n = n_tokens if n_tokens is not None else mlx_flags.prompt_length()
+            options = self.options_for_tokens(n)
         mlx_flags.check_kv_bits(kv_bits)
         self._check_still_split_as_applied()
         make, options = (
@@ -121,6 +131,36 @@ class Patch:
         )
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches
+
+    def _share_target(self) -> bool:
+        # a choice made for one prompt (the CLI's) has that prompt's rows
+        auto = self.auto
+        return (
+            auto is not None and auto.target.ratio is not None and auto.measured_length
+        )
+
+    def options_for_tokens(self, n_tokens):
+        """This patch's options with the rows its share target buys for a
+        prompt of `n_tokens` (algo="auto" with max_kv_bytes="20%")."""
+        from .auto import held_rows
+
+        if n_tokens is None:
+            raise OptionError(
+                f"max_kv_bytes={self.auto.target} sets the rows by each prompt's "
+                "length, and these caches were made with no prompt; use "
+                "patch.prefill(tokens), patch.make_cache(n_tokens=...), mlx-lm's "
+                "generate functions, or a size like '24MB'"
+            )
+        if n_tokens not in self._by_tokens:
+            given = {k: v for k, v in self.requested.items() if k != "budget"}
+            given = files_of(self.options) | given
+            opts = held_rows(self.model, self.algo, self.auto.target, n_tokens, given)
+            self._by_tokens[n_tokens] = make_options(self.cache_cls, opts, self.model)[
+                1
+            ]
+            while len(self._by_tokens) > 16:  # a few prompt lengths kept
+                self._by_tokens.pop(next(iter(self._by_tokens)))
+        return self._by_tokens[n_tokens]
 
     def _for_budget(self, max_kv_size: int):
         if max_kv_size not in self._by_budget:
@@ -282,17 +322,32 @@ class Patch:
 
     def __repr__(self):
         state = "active" if self.active else "restored"
-        return f"<veloxpatch.Patch {self.algo} {self.options} ({state})>"
+        chose = f" (auto, {self.auto.target})" if self.auto is not None else ""
+        return f"<veloxpatch.Patch {self.algo}{chose} {self.options} ({state})>"
 
 
-def apply(model, algo: str = "full", *, tokenizer=None, **options) -> Patch:
+def apply(
+    model, algo: str = "full", *, tokenizer=None, auto_path="apply", **options
+) -> Patch:
     """Patch `model`'s attention and install `algo`'s caches as `model.make_cache`.
     `tokenizer` (default: the one `veloxpatch.load` returned with the model):
-    lets kvzip run its reconstruction pass inside mlx-lm's generate functions."""
+    lets kvzip run its reconstruction pass inside mlx-lm's generate functions.
+    `algo="auto"` with `max_kv_bytes="20%"` or `"24MB"` (and optionally
+    `max_peak_bytes`): the best measured configuration (`veloxpatch.auto`),
+    logged in one line and kept as `patch.auto`; `auto_path`: the protocols
+    whose worst case counts (`auto.PATHS`; "apply": all three)."""
     from model_adapters import adapter_for
 
     from .loading.models import tokenizer_of
 
+    choice = None
+    if algo != "auto" and auto_path != "apply":
+        raise OptionError(f"auto_path is algo='auto''s; {algo!r} takes none")
+    if algo == "auto":
+        from . import auto
+
+        choice = auto.resolve(model, options, auto_path)
+        algo, options = choice.algo, choice.options
     mlx_lm_internals.check()  # once per process: what we rely on is unchanged
     adapter = adapter_for(model)
     cache_cls, opts = make_options(algo, options, model)
@@ -313,7 +368,10 @@ def apply(model, algo: str = "full", *, tokenizer=None, **options) -> Patch:
     if tokenizer is None:
         tokenizer = tokenizer_of(model)
     patch = Patch(model, adapter, sites, cache_cls, opts, options, tokenizer)
+    patch.auto = choice
     patch._install()
+    if choice is not None:
+        logging.getLogger("veloxpatch.auto").info("%s", choice.line())
     register_with_mlx_lm()  # so mlx-lm's load_prompt_cache finds our classes
     return patch
 

@@ -4,9 +4,29 @@ A target is bytes ("24MB") or a ratio of the full cache ("20%": of each
 prompt's full KV, what mlx-lm's own cache holds for it in the model's dtype).
 It bounds what is held once the prompt is read: a configuration's rows are the
 most whose decode-time bytes (`kv_budget.bound_bytes`) fit it.
+
+The choice (`rule`, docs/auto.md) reads the measured table `auto_table.json`
+(package data, rebuilt by `python scripts/bench_auto.py`): at the largest
+table fraction at or below the target's, the candidate with the best worst
+case over the protocols of the path, ties to the faster prefill; kvzap only
+where the calibration cache holds a scorer for this model.
+
+When rows are fixed: where the prompt is known first (the CLI), auto chooses
+for it. `apply` chooses before any prompt (the algorithm depends only on the
+fraction; a size is read against the table's context length); a size then
+fixes the rows, while a share sets each prompt's rows where its caches are made
+(`Patch.options_for_tokens`: `patch.prefill`, `make_cache(n_tokens=)`, and
+mlx-lm's generate_step, whose prompt is read from its frame). The server
+chooses once at load, for a size per sequence.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
 
 from .errors import OptionError
 
@@ -40,3 +60,349 @@ def held_options(model, algo: str, target_bytes: int, options: dict | None = Non
     if "budget" not in cls.Options.option_names():
         raise OptionError(f"{algo!r} keeps every token: it has no budget")
     return {**given, "budget": priced.budget}
+
+
+# ---- targets ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A memory target: `ratio` of each prompt's full KV, or `size` bytes."""
+
+    text: str
+    ratio: float | None = None
+    size: int | None = None
+
+    def bytes_for(self, model, n_tokens: int) -> int:
+        if self.size is not None:
+            return self.size
+        return math.floor(self.ratio * full_bytes(model, n_tokens))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+
+
+def parse_target(value, name: str = "max_kv_bytes") -> Target:
+    """A target from "20%" (of each prompt's full KV), "24MB" or an int of
+    bytes; anything else is one OptionError line."""
+    from .caches.kv_budget import parse_size
+
+    if isinstance(value, Target):
+        return value
+    if isinstance(value, str) and "%" in value:
+        m = _PERCENT.match(value)
+        share = float(m.group(1)) if m else None
+        if share is None or not 0 < share <= 100:
+            raise OptionError(
+                f"{name} as a share of the full KV cache must be above 0% and at "
+                f"most 100%, got {value!r}"
+            )
+        return Target(f"{share:g}%", ratio=share / 100)
+    if isinstance(value, str) and value.strip().startswith("-"):
+        raise OptionError(f"{name} must be positive, got {value!r}")
+    try:
+        size = parse_size(value, name)
+    except OptionError:
+        raise OptionError(
+            f"{name} must be a share of the full KV cache like 20% or a size like "
+            f"24MB or a number of bytes, got {value!r}"
+        ) from None
+    return Target(f"{size:,} bytes", size=size)
+
+
+# ---- the measured table -----------------------------------------------------------
+TABLE = Path(__file__).with_name("auto_table.json")
+BUILD = "python scripts/bench_auto.py"
+CANDIDATES = ("kvzap", "kvzip", "snapkv", "expected_attention", "streaming_llm")
+# the protocols whose worst case counts on each path (docs/auto.md)
+PATHS = {
+    "generate": ("prompt",),
+    "compress": ("after",),
+    "prefill": ("after",),
+    "serve": ("prompt", "chat"),
+    "apply": ("prompt", "after", "chat"),
+}
+PROTOCOL_WORDS = {
+    "prompt": "question in the prompt",
+    "after": "question after compression",
+    "chat": "chat second turn",
+}
+_ROW_KEYS = ("algo", "kv_bits", "fraction", "anchor", "n", "correct", "error")
+
+
+def load_table(path=None) -> dict:
+    """The measured table (`auto_table.json`, package data), checked; one
+    OptionError line naming the command that builds it when it is missing."""
+    path = Path(path) if path is not None else TABLE
+    if not path.is_file():
+        raise OptionError(
+            f"algo='auto' has no measured table yet ({path.name} is missing); "
+            f"build it with `{BUILD}`"
+        )
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+        fractions = [float(f) for f in table["fractions"]]
+        rows = table["rows"]
+        ok = fractions and all(0 < f <= 1 for f in fractions)
+        ok = ok and int(table["context_tokens"]) > 0 and isinstance(rows, list)
+        for r in rows:
+            ok = ok and all(k in r for k in _ROW_KEYS)
+            if ok and not r["anchor"] and r["error"] is None:
+                ok = all(isinstance(r["correct"].get(p), int) for p in PROTOCOL_WORDS)
+                ok = ok and isinstance(r["prefill_s_median"], (int, float))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise OptionError(
+            f"{path} is damaged ({e}); rebuild it with `{BUILD}`"
+        ) from None
+    if not ok:
+        raise OptionError(f"{path} is damaged; rebuild it with `{BUILD}`")
+    return table
+
+
+def table_fraction(table: dict, fraction: float) -> float:
+    """The largest measured fraction at or below `fraction` (else the smallest)."""
+    below = [f for f in table["fractions"] if f <= fraction + 1e-9]
+    return max(below) if below else min(table["fractions"])
+
+
+def score(row: dict, path: str) -> int:
+    return min(row["correct"][p] for p in PATHS[path])
+
+
+def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
+    """The contract's rule: the candidate rows at the table's fraction for
+    `fraction`, kvzap only with a scorer (`kvzap`), those whose peak `fits`
+    (row -> bool, None: all); the best worst case over the path's protocols,
+    ties to the faster prefill. Returns (row or None, the table fraction)."""
+    at = table_fraction(table, fraction)
+    rows = [
+        r
+        for r in table["rows"]
+        if not r["anchor"]
+        and r["error"] is None
+        and r["algo"] in CANDIDATES
+        and abs(r["fraction"] - at) < 1e-9
+        and (kvzap or r["algo"] != "kvzap")
+        and (fits is None or fits(r))
+    ]
+    best = max(
+        rows, key=lambda r: (score(r, path), -r["prefill_s_median"]), default=None
+    )
+    return best, at
+
+
+# ---- the choice -------------------------------------------------------------------
+@dataclasses.dataclass
+class Choice:
+    """What auto chose for one target, path and prompt length."""
+
+    algo: str
+    kv_bits: int
+    options: dict  # the algorithm's options: kv_bits, budget, scorer
+    target: Target
+    path: str
+    n_tokens: int  # the prompt's tokens (or the table's, where none is known)
+    measured_length: bool  # n_tokens is the table's context, not a prompt's
+    fraction: float  # the target as a share of the prompt's full KV
+    table_fraction: float  # the fraction whose rows the rule read
+    row: dict  # the table row picked
+    held_bytes: int  # what the target allows once the prompt is read
+    peak_bytes: int  # about what reading the prompt reaches (the table's, scaled)
+    missing_scorer: bool  # kvzap was left out: no scorer for this model
+
+    @property
+    def budget(self) -> int:
+        return self.options["budget"]
+
+    def line(self) -> str:
+        bits = "16-bit" if self.kv_bits == 16 else f"{self.kv_bits}-bit"
+        n = self.row["n"]
+        scores = ", ".join(
+            f"{PROTOCOL_WORDS[p]} {self.row['correct'][p]}/{n}"
+            for p in PATHS[self.path]
+        )
+        under = " (the target is under the smallest fraction measured)"
+        under = under if self.fraction < self.table_fraction - 1e-9 else ""
+        length = (
+            f"a {self.n_tokens}-token prompt (the table's; no prompt given)"
+            if self.measured_length
+            else f"this {self.n_tokens}-token prompt"
+        )
+        text = (
+            f"auto: {self.algo}, {self.budget} rows, {bits} keys and values — best "
+            f"measured at {self.table_fraction:.0%} of full KV for {self.path} "
+            f"({scores}){under}; target {self.target} = {self.fraction:.1%} of the "
+            f"full KV of {length}, peak while reading it about "
+            f"{self.peak_bytes / 1e6:,.1f} MB"
+        )
+        if self.missing_scorer:
+            text += (
+                "; no kvzap scorer for this model: `veloxpatch calibrate --algo "
+                "kvzap` makes the faster kvzap a candidate"
+            )
+        return text
+
+    def record(self) -> dict:
+        """What a patch or a saved cache records of the choice."""
+        return {
+            "algo": "auto",
+            "max_kv_bytes": self.target.text,
+            "path": self.path,
+            "chose": self.algo,
+            "kv_bits": self.kv_bits,
+            "table_fraction": self.table_fraction,
+            "fraction": round(self.fraction, 6),
+            "n_tokens": self.n_tokens,
+        }
+
+
+def scorer_for(model) -> str | None:
+    """kvzap's scorer for this model in the calibration cache, or None (one
+    made for another model lives under another fingerprint and is not seen)."""
+    from model_adapters import adapter_for
+
+    from .calibration.format import find, load_scorer
+
+    dims = adapter_for(model).dims(model)
+    found = find("kvzap", dims, lambda p: load_scorer(p, dims))
+    return found[0] if found is not None else None
+
+
+def _options_of(row: dict, scorer: str | None) -> dict:
+    opts = {} if row["kv_bits"] == 16 else {"kv_bits": int(row["kv_bits"])}
+    return opts | ({"scorer": scorer} if row["algo"] == "kvzap" else {})
+
+
+def peak_of(row: dict, table: dict, n_tokens: int) -> int:
+    """The table's median peak while reading its context, scaled to `n_tokens`."""
+    peak = row.get("prefill_peak_bytes_median") or 0
+    return math.ceil(peak * n_tokens / table["context_tokens"])
+
+
+def smallest_target(model, algo: str, options: dict, start: int) -> int | None:
+    """The fewest bytes (above `start`) that buy more rows than `algo`
+    protects with `options`; None where no size does (another fault)."""
+    lo, hi = start, max(2 * start, 1024)
+    while not _buys(model, algo, options, hi):
+        if hi > 2**50:
+            return None
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _buys(model, algo, options, mid) else (mid, hi)
+    return hi
+
+
+def _buys(model, algo, options, size) -> bool:
+    try:
+        held_options(model, algo, size, options)
+    except OptionError:
+        return False
+    return True
+
+
+def held_rows(model, algo: str, target: Target, n_tokens: int, options: dict):
+    """`options` with the rows `target` buys for a prompt of `n_tokens`; where
+    it buys too few, one OptionError line naming the smallest target that
+    would."""
+    size = target.bytes_for(model, n_tokens)
+    try:
+        return held_options(model, algo, size, options)
+    except OptionError:
+        need = smallest_target(model, algo, options, size)
+        if need is None:
+            raise
+    if target.ratio is not None:
+        fix = f"{math.ceil(1000 * need / full_bytes(model, n_tokens)) / 10:g}%"
+    else:
+        fix = f"{need:,} bytes"
+    raise OptionError(
+        f"max_kv_bytes={target} buys too few rows for {algo} on a {n_tokens}-token "
+        f"prompt of this model (fewer than it always keeps); the smallest target "
+        f"that works is {fix}"
+    )
+
+
+def resolve(model, options: dict, path: str, n_tokens=None) -> Choice:
+    """Auto's choice from the options `apply(algo="auto", ...)` was given:
+    `max_kv_bytes` (the target) and `max_peak_bytes`, nothing else."""
+    other = sorted(set(options) - {"max_kv_bytes", "max_peak_bytes"})
+    if other:
+        raise OptionError(
+            "algo='auto' chooses the algorithm and its options; give only "
+            f"max_kv_bytes (and max_peak_bytes), or name an algorithm (got "
+            f"{', '.join(other)})"
+        )
+    if options.get("max_kv_bytes") is None:
+        raise OptionError(
+            "algo='auto' needs max_kv_bytes: a share of the full KV like '20%' or "
+            "a size like '24MB'"
+        )
+    return choose(
+        model, options["max_kv_bytes"], path, n_tokens, options.get("max_peak_bytes")
+    )
+
+
+def choose(
+    model, target, path: str = "apply", n_tokens=None, max_peak_bytes=None, table=None
+) -> Choice:
+    """Auto's choice for `target` on `path` for a prompt of `n_tokens` (None:
+    the table's context length): the rule's row, its rows at the real target."""
+    from .caches.kv_budget import parse_size
+
+    target = parse_target(target)
+    peak_limit = None
+    if max_peak_bytes is not None:
+        peak_limit = parse_size(max_peak_bytes, "max_peak_bytes")
+    if path not in PATHS:
+        raise OptionError(f"unknown path {path!r}; one of {', '.join(PATHS)}")
+    table = load_table() if table is None else table
+    measured = n_tokens is None
+    n = int(table["context_tokens"]) if measured else int(n_tokens)
+    full = full_bytes(model, n)
+    size = target.bytes_for(model, n)
+    fraction = size / full
+    scorer = scorer_for(model)
+    fits = None
+    if peak_limit is not None:
+
+        def fits(r):
+            return peak_of(r, table, n) <= peak_limit
+
+    row, at = rule(table, fraction, path, scorer is not None, fits)
+    if row is None and fits is not None:
+        # every candidate's peak at that fraction: the least of them would fit
+        peaks = []
+        rule(table, fraction, path, scorer is not None, peaks.append)  # keeps none
+        least = min((peak_of(r, table, n) for r in peaks), default=0)
+        raise OptionError(
+            f"no configuration measured at {at:.0%} of full KV reads a {n}-token "
+            f"prompt under max_peak_bytes={peak_limit:,}; the smallest that would "
+            f"is max_peak_bytes={least:,}"
+        )
+    if row is None:
+        raise OptionError(
+            f"{TABLE.name} has no usable configuration at {at:.0%}; rebuild it "
+            f"with `{BUILD}`"
+        )
+    opts = held_rows(model, row["algo"], target, n, _options_of(row, scorer))
+    kvzap_rows = any(
+        r["algo"] == "kvzap" and r["fraction"] == at and not r["anchor"]
+        for r in table["rows"]
+    )
+    return Choice(
+        algo=row["algo"],
+        kv_bits=int(row["kv_bits"]),
+        options=opts,
+        target=target,
+        path=path,
+        n_tokens=n,
+        measured_length=measured,
+        fraction=fraction,
+        table_fraction=at,
+        row=row,
+        held_bytes=size,
+        peak_bytes=peak_of(row, table, n),
+        missing_scorer=scorer is None and kvzap_rows,
+    )

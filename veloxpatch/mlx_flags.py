@@ -25,6 +25,12 @@ def requested(depth: int = 2) -> tuple[int | None, int | None]:
     return found if found is not None else (None, None)
 
 
+def prompt_length(depth: int = 2) -> int | None:
+    """The prompt's tokens, when `model.make_cache` was called by mlx-lm's
+    make_prompt_cache inside generate_step (`depth` frames up), else None."""
+    return mlx_lm_internals.prompt_cache_prompt(sys._getframe(depth))
+
+
 def kv_bits_in_stack(limit: int = 32):
     """`kv_bits` of an mlx-lm generate_step up the stack (a caller that passed
     its own prompt_cache): checked once per cache, on its first call."""

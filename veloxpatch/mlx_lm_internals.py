@@ -236,7 +236,8 @@ INTERNALS = (
     # ---- mlx_lm.generate ----
     Internal(
         "mlx_lm.generate:generate_step",
-        "kv_bits a local (read from its frame: mlx_flags.py); every cache's "
+        "kv_bits and prompt locals (read from its frame: mlx_flags.py; the "
+        "prompt's length sets a share target's rows, auto.py); every cache's "
         "`state` evaluated after each prefill chunk and never while decoding "
         "(the prompt's end: caches/phase.py)",
         source_sha256=(
@@ -248,7 +249,7 @@ INTERNALS = (
             "kv_group_size, quantized_kv_start, prompt_progress_callback, "
             "input_embeddings)"
         ),
-        local_names=("kv_bits",),
+        local_names=("kv_bits", "prompt"),
     ),
     Internal(
         "mlx_lm.generate:speculative_generate_step",
@@ -520,6 +521,18 @@ def prompt_cache_request(frame) -> tuple[int | None, int | None] | None:
     if caller is not None and caller.f_code in _step_codes():
         kv_bits = caller.f_locals.get("kv_bits")
     return frame.f_locals.get("max_kv_size"), kv_bits
+
+
+def prompt_cache_prompt(frame) -> int | None:
+    """The prompt's length when `frame` runs mlx-lm's make_prompt_cache for
+    generate_step (its `prompt` local), else None."""
+    if frame.f_code is not _cache.make_prompt_cache.__code__:
+        return None
+    caller = frame.f_back
+    if caller is None or caller.f_code is not _generate.generate_step.__code__:
+        return None
+    prompt = caller.f_locals.get("prompt")
+    return len(prompt) if prompt is not None and len(prompt) else None
 
 
 @functools.lru_cache(maxsize=4)

@@ -297,3 +297,33 @@ def refuse_missing_calibration(algo: str, options: dict) -> None:
 
     if none_for_any_model(algo):
         raise UserError(missing(algo, option, home()))
+
+
+def check_auto(options: dict, max_peak_bytes) -> None:
+    """Before the model loads: auto's options (a target, nothing the choice
+    sets) and a measured table to choose from."""
+    from ..auto import load_table, parse_target
+    from ..caches.kv_budget import parse_size
+
+    if options.get("max_kv_bytes") is None:
+        raise UserError("--algo auto needs --max-kv-bytes, e.g. 20% or 24MB")
+    other = sorted(set(options) - {"max_kv_bytes"})
+    if other:
+        raise UserError(
+            f"auto chooses the algorithm's options; drop {', '.join(other)} "
+            "(--budget, --algo-arg) or name an --algo"
+        )
+    parse_target(options["max_kv_bytes"], "--max-kv-bytes")
+    if max_peak_bytes is not None:
+        parse_size(max_peak_bytes, "--max-peak-bytes")
+    load_table()
+
+
+def choose_auto(model, options: dict, max_peak_bytes, path: str, n_tokens: int):
+    """Auto's choice for this prompt, said in one line on stderr."""
+    from ..auto import resolve
+
+    given = options | ({"max_peak_bytes": max_peak_bytes} if max_peak_bytes else {})
+    choice = resolve(model, given, path, n_tokens)
+    click.echo(choice.line(), err=True)
+    return choice

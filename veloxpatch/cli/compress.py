@@ -14,6 +14,8 @@ from .checks import (
     OutputFile,
     UserError,
     algo_options,
+    check_auto,
+    choose_auto,
     refuse_existing,
     refuse_missing_calibration,
     user_errors,
@@ -43,14 +45,42 @@ def split_turn(tokenizer, text: str, chat: bool | None):
     required=True,
     help="the context, a UTF-8 text file",
 )
-@click.option("--algo", default="kvzip", show_default=True)
+@click.option(
+    "--algo",
+    default=None,
+    help="default: auto with --max-kv-bytes (the best measured choice), else kvzip",
+)
 @click.option("--budget", type=int, default=None, help="KV rows kept per head")
+@click.option(
+    "--max-kv-bytes",
+    default=None,
+    metavar="SIZE",
+    help="KV bytes held once compressed, e.g. 15MB, or (auto) a share of the "
+    "context's full KV, e.g. 20%",
+)
+@click.option(
+    "--max-peak-bytes",
+    default=None,
+    metavar="SIZE",
+    help="auto only: pick only configurations whose peak reading the context fits",
+)
 @click.option("--algo-arg", "algo_args", multiple=True, metavar="KEY=VALUE")
 @click.option("--out", type=OutputFile(".safetensors"), required=True)
 @click.option("--force", is_flag=True, help="overwrite --out if it exists")
 @click.option("--chat/--no-chat", default=None, help="default: when the model has one")
 @user_errors
-def compress(model, context_path, algo, budget, algo_args, out, force, chat):
+def compress(
+    model,
+    context_path,
+    algo,
+    budget,
+    max_kv_bytes,
+    max_peak_bytes,
+    algo_args,
+    out,
+    force,
+    chat,
+):
     """Prefill and compress a context with no question; save its cache to OUT."""
     from model_adapters.base import fingerprint
 
@@ -60,17 +90,28 @@ def compress(model, context_path, algo, budget, algo_args, out, force, chat):
     from ..loading.models import load
     from ..memory import full_kv_bytes, kv_bytes
 
-    options = algo_options(budget, algo_args)
-    make_options(algo, options)  # fail before the slow load
-    refuse_missing_calibration(algo, options)
+    algo = algo or ("auto" if max_kv_bytes is not None else "kvzip")
+    options = algo_options(budget, algo_args, max_kv_bytes)
+    if algo == "auto":
+        check_auto(options, max_peak_bytes)  # fail before the slow load
+    elif max_peak_bytes is not None:
+        raise UserError("--max-peak-bytes is auto's (no --algo, or --algo auto)")
+    else:
+        make_options(algo, options)  # fail before the slow load
+        refuse_missing_calibration(algo, options)
     refuse_existing(force, out=out)
     text = read_utf8(context_path)
     m, tokenizer = load(model)
     head, tail = split_turn(tokenizer, text, chat)
     plain = tail == ""
     ids = tokenizer.encode(head, add_special_tokens=plain)
+    choice = None
+    if algo == "auto":  # chosen for this context: its length is known
+        choice = choose_auto(m, options, max_peak_bytes, "compress", len(ids))
+        algo, options = choice.algo, choice.options
     start = time.perf_counter()
     with apply(m, algo=algo, **options) as patch:
+        patch.auto = choice
         caches = patch.prefill(ids, tokenizer=tokenizer)
         seconds = time.perf_counter() - start
         meta = {
@@ -81,6 +122,8 @@ def compress(model, context_path, algo, budget, algo_args, out, force, chat):
             "fingerprint": json.dumps(fingerprint(m), sort_keys=True),
             "context_tokens": str(len(ids)),
         }
+        if choice is not None:  # what auto chose, and why
+            meta["auto"] = json.dumps(choice.record() | {"line": choice.line()})
         save_cache(out, caches, meta)
         files = "".join(f" | {k} {v}" for k, v in files_of(patch.options).items())
     click.echo(

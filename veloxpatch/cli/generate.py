@@ -11,6 +11,8 @@ from .checks import (
     NonEmpty,
     UserError,
     algo_options,
+    check_auto,
+    choose_auto,
     refuse_missing_calibration,
     user_errors,
 )
@@ -24,13 +26,24 @@ from .checks import (
     help="GGUF file, mlx-lm model dir or hub id "
     "(default: the embedded SmolLM2-135M-Instruct)",
 )
-@click.option("--algo", default="full", show_default=True)
+@click.option(
+    "--algo",
+    default=None,
+    help="default: auto with --max-kv-bytes (the best measured choice), else full",
+)
 @click.option("--budget", type=int, default=None, help="KV rows kept per head")
 @click.option(
     "--max-kv-bytes",
     default=None,
     metavar="SIZE",
-    help="instead of --budget: KV bytes held, e.g. 48MB (the budget follows)",
+    help="instead of --budget: KV bytes held, e.g. 48MB (the budget follows); "
+    "with auto also a share of the prompt's full KV, e.g. 20%",
+)
+@click.option(
+    "--max-peak-bytes",
+    default=None,
+    metavar="SIZE",
+    help="auto only: pick only configurations whose peak reading the prompt fits",
 )
 @click.option(
     "--algo-arg",
@@ -75,6 +88,7 @@ def generate(
     algo,
     budget,
     max_kv_bytes,
+    max_peak_bytes,
     algo_args,
     prompt,
     max_tokens,
@@ -99,7 +113,7 @@ def generate(
 
     if cache_path is not None:
         given = {
-            "--algo": algo != "full",
+            "--algo": algo is not None,
             "--budget": budget is not None,
             "--max-kv-bytes": max_kv_bytes is not None,
             "--algo-arg": bool(algo_args),
@@ -107,9 +121,15 @@ def generate(
         if any(given.values()):
             drop = ", ".join(flag for flag, on in given.items() if on)
             raise UserError(f"--cache gives the algorithm and its options; drop {drop}")
+    algo = algo or ("auto" if max_kv_bytes is not None and not cache_path else "full")
     options = algo_options(budget, algo_args, max_kv_bytes)
-    make_options(algo, options)  # fail before the slow load
-    refuse_missing_calibration(algo, options)
+    if algo == "auto":
+        check_auto(options, max_peak_bytes)  # fail before the slow load
+    elif max_peak_bytes is not None:
+        raise UserError("--max-peak-bytes is auto's (no --algo, or --algo auto)")
+    else:
+        make_options(algo, options)  # fail before the slow load
+        refuse_missing_calibration(algo, options)
     prompt = read_prompt(prompt)
     m, tokenizer = load(model, quantized=quantized)
     if chat and getattr(tokenizer, "chat_template", None) is None:
@@ -122,11 +142,16 @@ def generate(
         prompt = question_ids(tokenizer, prompt, tail)
     else:
         prompt = chat_prompt(tokenizer, prompt, chat)
+    if isinstance(prompt, str):  # as stream_generate would encode it
+        bos = getattr(tokenizer, "bos_token", None)
+        special = bos is None or not prompt.startswith(bos)
+        prompt = tokenizer.encode(prompt, add_special_tokens=special)
+    choice = None
+    if algo == "auto":  # chosen for this prompt: its length is known
+        choice = choose_auto(m, options, max_peak_bytes, "generate", len(prompt))
+        algo, options = choice.algo, choice.options
     with apply(m, algo=algo, tokenizer=tokenizer, **options) as patch:
-        if isinstance(prompt, str):  # as stream_generate would encode it
-            bos = getattr(tokenizer, "bos_token", None)
-            special = bos is None or not prompt.startswith(bos)
-            prompt = tokenizer.encode(prompt, add_special_tokens=special)
+        patch.auto = choice
         patch.check_context(len(prompt))
         caches = caches if caches is not None else patch.make_cache()
         last = None
@@ -146,6 +171,7 @@ def generate(
         click.echo()
     if last is not None:
         bought = getattr(patch.options, "budget", None) if max_kv_bytes else None
+        algo = algo if choice is None else f"auto: {algo}"
         label = algo if bought is None else f"{algo}, budget {bought} rows"
         # kvzap's threshold: how much the text let it keep
         kept = [c.kept_fraction() for c in caches if hasattr(c, "kept_fraction")]

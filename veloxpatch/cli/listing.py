@@ -7,12 +7,24 @@ import textwrap
 import click
 
 from .. import blas
+from .checks import UserError, user_errors
 
 
 @click.command("list")
 @click.option("--verbose", "-v", is_flag=True, help="also versions and BLAS")
-def list_(verbose):
+@click.option(
+    "--auto",
+    "share",
+    default=None,
+    metavar="SHARE",
+    help="instead: what algo=auto picks for a share of full KV, e.g. 20%, at "
+    "each measured fraction and path (no model is loaded)",
+)
+@user_errors
+def list_(verbose, share):
     """Algorithms and supported architectures."""
+    if share is not None:
+        return auto_choices(share)
     from model_adapters import ADAPTERS
 
     from ..api import ALGORITHMS
@@ -41,3 +53,41 @@ def list_(verbose):
             f"device {mx.default_device()}"
         )
         click.echo(f"BLAS: {blas.active()}")
+
+
+def auto_choices(share) -> None:
+    """The rule applied to the packaged table at each fraction and path, with
+    a kvzap scorer for the model and without one."""
+    from ..auto import PATHS, load_table, parse_target, rule, score, table_fraction
+
+    target = parse_target(share, "--auto")
+    if target.ratio is None:
+        raise UserError(
+            f"--auto takes a share of full KV like 20%, got {share!r} (what bytes "
+            "buy depends on the model and the prompt)"
+        )
+    table = load_table()
+    reads = table_fraction(table, target.ratio)
+    click.echo(
+        f"auto: table measured by `{table.get('command')}` at commit "
+        f"{table.get('commit')} ({table.get('model')}, "
+        f"{table['context_tokens']}-token prompts)"
+    )
+    under = " (under the smallest fraction measured)" if target.ratio < reads else ""
+    click.echo(f"{target} of full KV reads the {reads:.0%} rows{under}, marked *")
+    click.echo(f"  {'fraction':<9} {'path':<9} {'with a kvzap scorer':<28} without")
+
+    def said(row, path):
+        if row is None:
+            return "(none measured)"
+        return f"{row['algo']} {row['kv_bits']}-bit {score(row, path)}/{row['n']}"
+
+    for f in sorted(table["fractions"]):
+        mark = "*" if abs(f - reads) < 1e-9 else " "
+        for path in PATHS:
+            with_scorer, _ = rule(table, f, path, kvzap=True)
+            without, _ = rule(table, f, path, kvzap=False)
+            click.echo(
+                f"{mark} {f:<9.0%} {path:<9} {said(with_scorer, path):<28} "
+                f"{said(without, path)}"
+            )

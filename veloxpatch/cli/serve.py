@@ -106,7 +106,11 @@ class ServeCommand(click.Command):
 @click.option(
     "--model", type=NonEmpty(), default=None, help="default: the embedded SmolLM2"
 )
-@click.option("--algo", default="full", show_default=True)
+@click.option(
+    "--algo",
+    default=None,
+    help="default: auto with --max-kv-bytes (the best measured choice), else full",
+)
 @click.option("--budget", type=int, default=None, help="KV rows kept per head")
 @click.option(
     "--max-kv-bytes",
@@ -201,9 +205,13 @@ def serve(
     from ..caches.kv_budget import parse_size
     from ..errors import OptionError
 
+    algo = algo or ("auto" if max_kv_bytes is not None else "full")
     options = algo_options(budget, algo_args, max_kv_bytes)
+    if algo == "auto":
+        check_serve_auto(options, compress_system_prompt)
     try:
-        cache_cls, _ = make_options(algo, options)  # fail before the slow load
+        # fail before the slow load (auto's algorithm is chosen once it loads)
+        cache_cls = None if algo == "auto" else make_options(algo, options)[0]
     except OptionError as e:
         if max_kv_bytes is None:
             raise
@@ -212,8 +220,9 @@ def serve(
             f"{e} (--max-kv-bytes is the per-sequence budget, as in generate; "
             "the server's cap is --kv-cap)"
         ) from None
-    refuse_missing_calibration(algo, options)
-    if compress_system_prompt and not cache_cls.wants_token_ids:
+    if algo != "auto":
+        refuse_missing_calibration(algo, options)
+    if compress_system_prompt and cache_cls and not cache_cls.wants_token_ids:
         raise UserError(
             f"--compress-system-prompt: {algo} has no question-agnostic pass to "
             "compress a system prompt alone; use --algo kvzip"
@@ -259,3 +268,19 @@ def serve(
         prompt_cache_dir=prompt_cache_dir,
         prompt_cache_disk_bytes=disk_bytes,
     )
+
+
+def check_serve_auto(options: dict, compress_system_prompt: bool) -> None:
+    """auto on the server: chosen once at load for a size per sequence (a
+    request's own max_kv_bytes re-prices the rows of that choice)."""
+    from ..auto import parse_target
+    from .checks import check_auto
+
+    check_auto(options, None)
+    if parse_target(options["max_kv_bytes"], "--max-kv-bytes").ratio is not None:
+        raise UserError(
+            "veloxpatch serve takes --max-kv-bytes as a size per sequence, e.g. "
+            "15MB (a share of each prompt's full KV is generate's and compress's)"
+        )
+    if compress_system_prompt:
+        raise UserError("--compress-system-prompt needs --algo kvzip, not auto")

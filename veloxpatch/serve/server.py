@@ -105,7 +105,13 @@ class PatchedModelProvider(ModelProvider):
         model, tokenizer = load(self.source, quantized=self.quantized)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
-        self.patch = apply(model, self.algo, tokenizer=tokenizer, **self.options)
+        auto = self.algo == "auto"  # chosen once, for the serve path's protocols
+        path = {"auto_path": "serve"} if auto else {}
+        self.patch = apply(
+            model, self.algo, tokenizer=tokenizer, **path, **self.options
+        )
+        if auto:  # from here on the server is what auto chose, by name and options
+            self.algo, self.options = self.patch.algo, dict(self.patch.requested)
         self.patch.keep_snapshots = True  # the prompt cache's policy (kv.py)
         ok, why = batch_support(self.patch.make_cache())
         if ok and self.patch.cache_cls.wants_token_ids:
@@ -597,7 +603,7 @@ def run(
     log.info(
         "serving %s patched with %s %s; KV cap %s",
         provider.served_name(),
-        algo,
+        provider.algo,
         provider.patch.options,
         kv_cap_note or ("none" if kv_cap is None else f"{kv_cap:,} bytes"),
     )

@@ -1,0 +1,288 @@
+"""algo="auto": targets, the contract's rule on a fixture table (invented
+numbers, tests/data/auto_table_fixture.json), kvzap only with this model's
+scorer, apply/restore, the per-prompt rows of a share target, the CLI's list
+--auto, and the committed table (when present) against an independent rule."""
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from mlx.utils import tree_flatten
+from tiny import prompt_tokens, tiny_model, tiny_scorer
+
+import veloxpatch
+from model_adapters.base import fingerprint
+from veloxpatch import auto
+from veloxpatch.api import patch_of
+from veloxpatch.calibration.format import home_path
+from veloxpatch.cli import main
+from veloxpatch.errors import OptionError
+
+FIXTURE = Path(__file__).parent / "data" / "auto_table_fixture.json"
+
+
+@pytest.fixture
+def fixture_table(monkeypatch):
+    monkeypatch.setattr(auto, "TABLE", FIXTURE)
+    return auto.load_table()
+
+
+class Bytes:
+    """Enough of a tokenizer for kvzip's repeat instruction on a tiny model."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [b % 97 for b in text.encode()]
+
+
+def model32(seed=0):
+    """A tiny llama whose head dim (32) takes kv_bits=4's groups."""
+    return tiny_model("llama", seed=seed, head_dim=32)
+
+
+def scorer_in_home(model, made_for=None):
+    path = home_path("kvzap", fingerprint(model))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tiny_scorer(made_for or model), path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "bad", ["0%", "120%", "12 parsecs", "-5MB", "-3%", True, -3, 0, 0.2, None, "%"]
+)
+def test_a_bad_target_is_one_line(bad):
+    with pytest.raises(OptionError) as e:
+        auto.parse_target(bad)
+    assert "\n" not in str(e.value) and "max_kv_bytes" in str(e.value)
+
+
+def test_targets_parse_as_shares_or_bytes():
+    assert auto.parse_target("20%").ratio == 0.2
+    assert auto.parse_target(" 35.5 % ").ratio == pytest.approx(0.355)
+    assert auto.parse_target("100%").ratio == 1.0
+    assert auto.parse_target("24MB").size == 24_000_000
+    assert auto.parse_target(4096).size == 4096
+
+
+# the contract's rule read off the fixture by hand: (share, path) -> (with a
+# kvzap scorer, without one), each (algo, kv_bits)
+EXPECTED = {
+    ("10%", "generate"): (("snapkv", 16), ("snapkv", 16)),
+    ("10%", "compress"): (("kvzip", 16), ("kvzip", 16)),
+    ("10%", "serve"): (("kvzap", 16), ("kvzip", 16)),  # a tie: kvzap is faster
+    ("10%", "apply"): (("kvzap", 16), ("kvzip", 16)),
+    ("5%", "apply"): (("kvzap", 16), ("kvzip", 16)),  # under the table: its 10%
+    ("20%", "generate"): (("kvzap", 4), ("snapkv", 16)),
+    ("25%", "compress"): (("kvzap", 4), ("kvzip", 16)),  # 3.1 s beats 3.3 s
+    ("20%", "serve"): (("kvzap", 4), ("kvzip", 4)),
+    ("20%", "apply"): (("kvzap", 4), ("kvzip", 4)),  # mlx.rotating: an anchor
+    ("35%", "generate"): (("kvzap", 16), ("kvzip", 16)),
+    ("100%", "compress"): (("kvzip", 16), ("kvzip", 16)),
+    ("35%", "apply"): (("kvzap", 16), ("kvzip", 16)),
+}
+
+
+@pytest.mark.parametrize("share,path", list(EXPECTED))
+def test_the_rule_on_the_fixture(fixture_table, share, path):
+    f = auto.parse_target(share).ratio
+    got = []
+    for kvzap in (True, False):
+        row, _ = auto.rule(fixture_table, f, path, kvzap)
+        got.append((row["algo"], row["kv_bits"]))
+    assert tuple(got) == EXPECTED[share, path]
+
+
+def test_kvzap_is_left_out_without_this_models_scorer(fixture_table):
+    model = model32()
+    choice = auto.choose(model, "20%", "apply")
+    assert (choice.algo, choice.kv_bits) == ("kvzip", 4)
+    line = choice.line()
+    assert "\n" not in line and line.startswith("auto: kvzip, ")
+    assert "4-bit keys and values" in line and "20% of full KV" in line
+    assert "`veloxpatch calibrate --algo kvzap`" in line
+    # a scorer made for another model, in another folder or in this one's
+    other = model32(seed=1)
+    scorer_in_home(other)
+    assert auto.choose(model, "20%", "apply").algo == "kvzip"
+    scorer_in_home(model, made_for=other)
+    assert auto.choose(model, "20%", "apply").algo == "kvzip"
+
+
+def test_kvzap_is_picked_with_this_models_scorer(fixture_table):
+    model = model32()
+    path = scorer_in_home(model)
+    choice = auto.choose(model, "35%", "generate", n_tokens=8000)
+    assert (choice.algo, choice.kv_bits) == ("kvzap", 16)
+    assert choice.options["scorer"] == path and "kv_bits" not in choice.options
+    assert "calibrate" not in choice.line()
+    # the rows fit the target for this prompt once it is read
+    held = auto.held_options(model, "kvzap", choice.held_bytes, choice.options)
+    assert held["budget"] == choice.budget
+    assert choice.held_bytes == int(0.35 * auto.full_bytes(model, 8000))
+
+
+def test_a_byte_target_too_small_names_the_smallest_that_works(fixture_table):
+    model = model32()
+    with pytest.raises(OptionError) as e:
+        auto.choose(model, "1000", "apply", n_tokens=100)
+    message = str(e.value)
+    assert "\n" not in message and "the smallest target that works is" in message
+    need = int(message.rsplit(" is ", 1)[1].split()[0].replace(",", ""))
+    assert auto.choose(model, need, "apply", n_tokens=100).budget >= 1
+    with pytest.raises(OptionError, match="smallest target"):
+        auto.choose(model, need - 1, "apply", n_tokens=100)
+
+
+def test_a_peak_bound_picks_what_fits_or_names_the_least(fixture_table):
+    model = model32()
+    fits = auto.choose(model, "20%", "apply", max_peak_bytes="100MB")
+    assert fits.algo == "expected_attention" and fits.peak_bytes <= 100_000_000
+    with pytest.raises(OptionError, match="max_peak_bytes=30,000,000$"):
+        auto.choose(model, "20%", "apply", max_peak_bytes="10MB")
+
+
+def test_no_table_is_one_line_naming_the_command(monkeypatch, tmp_path):
+    monkeypatch.setattr(auto, "TABLE", tmp_path / "auto_table.json")
+    with pytest.raises(OptionError) as e:
+        veloxpatch.apply(model32(), "auto", max_kv_bytes="20%")
+    assert "\n" not in str(e.value)
+    assert str(e.value).endswith("build it with `python scripts/bench_auto.py`")
+
+
+def test_auto_takes_a_target_and_nothing_the_choice_sets(fixture_table):
+    model = model32()
+    with pytest.raises(OptionError, match="needs max_kv_bytes"):
+        veloxpatch.apply(model, "auto")
+    with pytest.raises(OptionError, match=r"got budget\)$"):
+        veloxpatch.apply(model, "auto", max_kv_bytes="20%", budget=64)
+    with pytest.raises(OptionError, match="120%"):
+        veloxpatch.apply(model, "auto", max_kv_bytes="120%")
+    assert patch_of(model) is None
+
+
+def test_apply_auto_then_restore_leaves_the_model_as_before(fixture_table, caplog):
+    model = model32()
+    before = {k: mx.array(v) for k, v in tree_flatten(model.parameters())}
+    tokens = prompt_tokens(40)
+    want = model(tokens[None])
+    with caplog.at_level(logging.INFO, logger="veloxpatch.auto"):
+        patch = veloxpatch.apply(model, "auto", max_kv_bytes="35%")
+    lines = [r.getMessage() for r in caplog.records if r.name == "veloxpatch.auto"]
+    assert len(lines) == 1 and lines[0].startswith("auto: kvzip, ")
+    assert patch.algo == "kvzip" and patch.auto.record()["max_kv_bytes"] == "35%"
+    assert "auto" in repr(patch) and "make_cache" in vars(model)
+    patch.restore()
+    assert patch_of(model) is None and "make_cache" not in vars(model)
+    after = dict(tree_flatten(model.parameters()))
+    assert after.keys() == before.keys()
+    assert all(mx.array_equal(before[k], after[k]).item() for k in before)
+    assert mx.array_equal(model(tokens[None]), want).item()
+
+
+def test_a_share_target_sets_each_prompts_rows(fixture_table):
+    from mlx_lm.generate import generate_step
+
+    model = model32()
+    with veloxpatch.patched(model, "auto", max_kv_bytes="35%") as patch:
+        short = patch.make_cache(n_tokens=400)[0].options.budget
+        long = patch.make_cache(n_tokens=1600)[0].options.budget
+        assert long > 3 * short  # rows follow the prompt's length
+        # the prefill of a context: its own length
+        caches = patch.prefill(prompt_tokens(400).tolist(), tokenizer=Bytes())
+        assert caches[0].options.budget == short
+        # mlx-lm's generate_step makes its caches for the prompt it was given
+        tokens = prompt_tokens(1600)
+        step = generate_step(tokens, model, max_tokens=1)
+        next(step)
+        assert patch._last_caches[0]().options.budget == long
+        with pytest.raises(OptionError, match="with no prompt") as e:
+            patch.make_cache()
+        assert "\n" not in str(e.value)
+    # a size: the same rows whatever the prompt
+    with veloxpatch.patched(model, "auto", max_kv_bytes="200KB") as patch:
+        assert patch.make_cache()[0].options.budget == patch.options.budget
+
+
+def test_list_auto_prints_each_fraction_and_path_without_a_model(fixture_table):
+    result = CliRunner().invoke(main, ["list", "--auto", "20%"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "20% of full KV reads the 20% rows, marked *" in lines
+    picked = {
+        (w[-8], w[-7]): (w[-6], w[-5], w[-3], w[-2])
+        for w in map(str.split, lines)
+        if len(w) >= 8 and w[-7] in auto.PATHS
+    }
+    assert len(picked) == 3 * len(auto.PATHS)
+    assert picked["20%", "generate"] == ("kvzap", "4-bit", "snapkv", "16-bit")
+    assert picked["20%", "apply"] == ("kvzap", "4-bit", "kvzip", "4-bit")
+    assert sum(line.startswith("*") for line in lines) == len(auto.PATHS)
+
+
+@pytest.mark.parametrize("bad", ["12MB", "0%", "12 parsecs"])
+def test_list_auto_refuses_what_is_not_a_share_in_one_line(fixture_table, bad):
+    result = CliRunner().invoke(main, ["list", "--auto", bad])
+    assert result.exit_code == 2
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_the_cli_refuses_auto_without_a_target_before_loading(fixture_table):
+    runner = CliRunner()
+    for args in (
+        ["generate", "--algo", "auto", "--prompt", "hi"],
+        ["generate", "--max-kv-bytes", "0%", "--prompt", "hi"],
+        ["generate", "--max-kv-bytes", "20%", "--budget", "8", "--prompt", "hi"],
+        ["generate", "--algo", "kvzip", "--max-peak-bytes", "9MB", "--prompt", "x"],
+        ["serve", "--max-kv-bytes", "20%"],
+    ):
+        result = runner.invoke(main, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def independent_rule(table, fraction, path, kvzap):
+    """The contract's rule written again, apart from veloxpatch.auto's."""
+    protocols = {
+        "generate": ["prompt"],
+        "compress": ["after"],
+        "prefill": ["after"],
+        "serve": ["prompt", "chat"],
+        "apply": ["prompt", "after", "chat"],
+    }[path]
+    at = [f for f in table["fractions"] if f <= fraction]
+    at = max(at) if at else min(table["fractions"])
+    best = None
+    for r in table["rows"]:
+        if r["anchor"] or r["error"] is not None or r["fraction"] != at:
+            continue
+        if r["algo"] == "kvzap" and not kvzap:
+            continue
+        key = (min(r["correct"][p] for p in protocols), -r["prefill_s_median"])
+        if best is None or key > best[0]:
+            best = (key, r)
+    return best[1]
+
+
+def test_the_committed_table_parses_and_auto_applies_the_rule_to_it():
+    if not auto.TABLE.is_file():
+        pytest.skip(f"{auto.TABLE.name} is not measured yet ({auto.BUILD})")
+    table = auto.load_table()
+    raw = json.loads(auto.TABLE.read_text())
+    assert raw["command"] and raw["commit"]
+    for f in table["fractions"]:
+        for path in auto.PATHS:
+            for kvzap in (True, False):
+                row, _ = auto.rule(table, f, path, kvzap)
+                assert row is independent_rule(table, f, path, kvzap)
+
+
+def test_a_choice_made_for_one_prompt_keeps_its_rows(fixture_table):
+    """The CLI chooses for the prompt it read: its caches need no prompt."""
+    model = model32()
+    choice = auto.choose(model, "35%", "generate", n_tokens=600)
+    with veloxpatch.patched(model, choice.algo, **choice.options) as patch:
+        patch.auto = choice
+        assert patch.make_cache()[0].options.budget == choice.budget
