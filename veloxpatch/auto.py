@@ -47,19 +47,32 @@ def full_bytes(model, n_tokens: int) -> int:
 
 def held_options(model, algo: str, target_bytes: int, options: dict | None = None):
     """`options` (kv_bits...) with the budget whose bytes held once the prompt
-    is read fit `target_bytes` on `model`: the rows `max_kv_bytes` would buy,
-    without its bound on the prompt's peak (kvzip's reconstruction). Raises
-    OptionError where the target buys too few rows."""
-    from .api import make_options
+    is read fit `target_bytes` on `model`: priced for decode, without
+    `max_kv_bytes`'s bound on what reading the prompt holds (kvzip's
+    reconstruction, kvzap's prompt chunk). Raises OptionError where the target
+    buys too few rows."""
+    from model_adapters import adapter_for
 
-    given = dict(options or {})
-    given.pop("budget", None)
-    cls, priced = make_options(
-        algo, {**given, "max_kv_bytes": int(target_bytes)}, model
-    )
+    from .api import algorithm, make_options
+    from .caches.eviction import PLACEHOLDER_BUDGET
+    from .caches.kv_budget import budget_for_bytes, kv_dtype_size
+
+    given = {k: v for k, v in (options or {}).items() if k != "max_kv_bytes"}
+    cls = algorithm(algo)
     if "budget" not in cls.Options.option_names():
         raise OptionError(f"{algo!r} keeps every token: it has no budget")
-    return {**given, "budget": priced.budget}
+    priced = cls.Options.create(cls.name, {**given, "budget": PLACEHOLDER_BUDGET})
+    dims = adapter_for(model).dims(model)
+    limit = int(target_bytes)
+    budget = budget_for_bytes(priced, dims, kv_dtype_size(model), limit, decode=True)
+    try:
+        make_options(algo, {**given, "budget": budget}, model)
+    except OptionError as e:
+        raise OptionError(
+            f"{limit:,} bytes buy {budget} rows per layer and KV head of {algo} "
+            f"on this model, too few: {e}"
+        ) from None
+    return {**given, "budget": budget}
 
 
 # ---- targets ----------------------------------------------------------------------

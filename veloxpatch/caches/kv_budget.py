@@ -145,14 +145,21 @@ def bound_bytes(
     return total
 
 
-def budget_for_bytes(options, dims, dtype_size: int, limit: int) -> int:
-    """The largest budget whose bound is at most `limit` bytes (0: none)."""
+def budget_for_bytes(
+    options, dims, dtype_size: int, limit: int, decode: bool = False
+) -> int:
+    """The largest budget whose bound (`decode`: once the prompt has ended) is
+    at most `limit` bytes (0: none)."""
+
+    def fits(budget):
+        return bound_bytes(options, dims, dtype_size, budget, decode=decode) <= limit
+
     lo, hi = 0, 1
-    while bound_bytes(options, dims, dtype_size, hi) <= limit:
+    while fits(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if bound_bytes(options, dims, dtype_size, mid) <= limit:
+        if fits(mid):
             lo = mid
         else:
             hi = mid
