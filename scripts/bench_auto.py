@@ -686,7 +686,7 @@ def main(argv=None) -> dict:
         "context_tokens": args.context,
         "texts": list(TEXTS),
         "cases_per_text": args.cases,
-        "fractions": list(FRACTIONS),
+        "fractions": sorted({*args.fractions, *(old or {}).get("fractions", [])}),
         "protocols": list(PROTOCOLS),
         "rows": list(old["rows"]) if old else [],
         "run": info,
