@@ -70,3 +70,21 @@ def test_a_system_prompt_two_conversations_extend_keeps_its_place():
     keep(store, [8, 8])  # evicts the oldest: A's [1, 2, 3]
     assert kept(store) == [(1, 2), (1, 2, 4), (8, 8), (9, 9)]
     assert store.nbytes == 400
+
+
+def test_the_cache_says_which_prompts_an_entry_holds_exactly():
+    store = BoundedPromptCache()
+    keep(store, [1, 2, 3])
+    assert store.holds_prompt([1, 2, 3])
+    assert not store.holds_prompt([1, 2]) and not store.holds_prompt([1, 2, 3, 4])
+
+
+def test_a_replay_is_served_before_the_prompts_waiting_to_be_read():
+    from types import SimpleNamespace
+
+    from veloxpatch.serve.server import ReplaysFirst
+
+    queue = ReplaysFirst()
+    for name, replay in (("a", False), ("b", False), ("retry", True), ("c", False)):
+        queue.put((None, name, SimpleNamespace(replay=replay)))
+    assert [queue.get()[1] for _ in range(4)] == ["retry", "a", "b", "c"]

@@ -371,6 +371,14 @@ class BoundedPromptCache(LRUPromptCache):
         if used is not None:
             self._lru.touch(model, used)
 
+    def holds_prompt(self, tokens) -> bool:
+        """Whether an entry, under any key, holds exactly these tokens."""
+        with self._lock:
+            return any(
+                self._trie.search(key, list(tokens)).exact is not None
+                for key in list(self._trie._trie)
+            )
+
     def _on_disk(self, model) -> bool:
         """Whether entries under `model` (a prompt-cache key) go to disk."""
         return self.disk_key is None or model == self.disk_key

@@ -24,6 +24,7 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from queue import Queue
 from types import SimpleNamespace
 
 from mlx_lm.server import APIHandler, GenerationContext, ModelProvider
@@ -286,8 +287,11 @@ class Handler(APIHandler):
         except Exception as e:  # a prompt the template cannot take, say
             self._send_error(400, f"cannot read the request: {e}")
             return
-        if budget is not None:  # its args carry the budget to the generation
-            self.response_generator = WithBudget(self.response_generator, budget)
+        fields = {"kv_budget": budget} if budget is not None else {}
+        if state.prompt_cache.holds_prompt(self._prompt_ids):
+            fields["replay"] = True
+        if fields:  # its args carry them to the generation thread
+            self.response_generator = WithArgs(self.response_generator, **fields)
         log.info(
             "request: %d prompt tokens, max_tokens %d%s: reserves %s KV bytes "
             "(a full cache: %s); %d in flight hold %s, prompt cache %s, cap %s",
@@ -360,6 +364,7 @@ class Handler(APIHandler):
         # which the generation thread would fail on outside its error handling
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise BadRequest("chat_template_kwargs: the chat template gave no tokens")
+        self._prompt_ids = prompt
         return len(prompt)
 
     def generate_response(self, text, finish_reason, *args, **kwargs):
@@ -431,29 +436,49 @@ class Handler(APIHandler):
         self.wfile.flush()
 
 
-class WithBudget:
-    """A request's view of the generator: its generation arguments carry its
-    own budget (`budgets.RequestBudget`) to the generation thread."""
+class WithArgs:
+    """A request's view of the generator: its generation arguments carry
+    `fields` to the generation thread (`kv_budget`: its own budget,
+    `budgets.RequestBudget`; `replay`: a prompt-cache entry holds its prompt)."""
 
-    def __init__(self, generator, budget):
-        self.generator, self.budget = generator, budget
+    def __init__(self, generator, **fields):
+        self.generator, self.fields = generator, fields
 
     def generate(self, request, args, *rest, **kwargs):
-        args.kv_budget = self.budget
+        for name, value in self.fields.items():
+            setattr(args, name, value)
         return self.generator.generate(request, args, *rest, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.generator, name)
 
 
+class ReplaysFirst(Queue):
+    """The generation thread's queue. A request whose prompt an entry holds
+    exactly (a retry, a regenerated answer) reads nothing: it goes before the
+    requests that do, instead of waiting out their prefills."""
+
+    def _get(self):
+        for i, item in enumerate(self.queue):
+            if getattr(item[2], "replay", False):
+                del self.queue[i]
+                return item
+        return self.queue.popleft()
+
+
 class Generator(CuttableGenerator):
-    """mlx-lm's generation thread, its requests cuttable (`cuts`), whose
-    one-at-a-time requests keep their system prompt's prompt-cache entry as
-    its batches do (`kv.BoundedPromptCache.keep_system`); with
-    `compress_system`, that entry is the system prompt compressed on its own
-    (question-agnostic, kvzip's reconstruction), once for every user of it."""
+    """mlx-lm's generation thread, its requests cuttable (`cuts`) and replays
+    served first (`ReplaysFirst`), whose one-at-a-time requests keep their
+    system prompt's prompt-cache entry as its batches do
+    (`kv.BoundedPromptCache.keep_system`); with `compress_system`, that entry
+    is the system prompt compressed on its own (question-agnostic, kvzip's
+    reconstruction), once for every user of it."""
 
     compress_system = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.requests = ReplaysFirst()  # nothing is queued before the server starts
 
     def _is_batchable(self, args):
         # a request with its own budget is served alone: a batch would hold
