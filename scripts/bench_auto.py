@@ -209,10 +209,11 @@ def sentence_boundary(prose: str, depth: float) -> int:
 
 
 def make_cases(tokenizer, n_cases: int, context: int, seed=0) -> list[Case]:
+    # the texts alternate: a run stopped early has cases of both
     return [
         make_case(tokenizer, text, i, n_cases, context, seed)
-        for text in TEXTS
         for i in range(n_cases)
+        for text in TEXTS
     ]
 
 
