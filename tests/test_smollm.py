@@ -51,7 +51,7 @@ def test_oracle_on_smollm(loaded, algo):
 
 
 @smollm
-def test_demo_answers_paris():
+def test_demo_chooses_and_answers_about_the_document():
     env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
     out = subprocess.run(
         ["bash", "scripts/demo.sh"],
@@ -62,7 +62,8 @@ def test_demo_answers_paris():
         env=env,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "Paris" in out.stdout, out.stdout
+    assert "auto: " in out.stderr, out.stderr[-2000:]  # it says what it chose
+    assert "Apache" in out.stdout.split("Q: ")[1], out.stdout
 
 
 @smollm
