@@ -16,44 +16,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import mlx_flags, mlx_lm_internals, patcher
-from .caches import ALGORITHMS, VeloxCache
+from .caches import VeloxCache
 from .caches.io import register_with_mlx_lm
 from .caches.options import files_of
 from .caches.phase import PromptPhase
 from .errors import OptionError, PatchStateError, UnsupportedModelError
+from .registry import algorithm, algos, make_options  # noqa: F401 (api's names)
 
 _MISSING = object()
 _PATCHES: dict[int, weakref.ref] = {}  # id(model) -> Patch
-
-
-def algos() -> list[str]:
-    """Names of all algorithms."""
-    return list(ALGORITHMS)
-
-
-def algorithm(name):
-    """The cache class of an algorithm name (or a VeloxCache subclass, as is)."""
-    if isinstance(name, type) and issubclass(name, VeloxCache):
-        return name
-    try:
-        return ALGORITHMS[name]
-    except (KeyError, TypeError):
-        raise OptionError(
-            f"unknown algorithm {name!r}; available: {', '.join(ALGORITHMS)}"
-        ) from None
-
-
-def make_options(algo, options: dict | None = None, model=None):
-    """(cache class, validated options) for `algo`; with `model`, also bound to it
-    (its dimensions checked, calibration files loaded). The one place options
-    are validated: apply, the CLI, eval and the benchmarks all come here."""
-    cls = algorithm(algo)
-    opts = cls.Options.create(cls.name, dict(options or {}))
-    if model is not None:
-        from model_adapters import adapter_for
-
-        opts = opts.bind(model, adapter_for(model).dims(model))
-    return cls, opts
 
 
 def patch_of(model) -> Patch | None:

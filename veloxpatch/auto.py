@@ -53,9 +53,9 @@ def held_options(model, algo: str, target_bytes: int, options: dict | None = Non
     buys too few rows."""
     from model_adapters import adapter_for
 
-    from .api import algorithm, make_options
     from .caches.eviction import PLACEHOLDER_BUDGET
     from .caches.kv_budget import budget_for_bytes, kv_dtype_size
+    from .registry import algorithm, make_options
 
     given = {k: v for k, v in (options or {}).items() if k != "max_kv_bytes"}
     cls = algorithm(algo)
