@@ -319,6 +319,20 @@ def check_auto(options: dict, max_peak_bytes) -> None:
     load_table()
 
 
+def check_before_load(algo: str, options: dict, max_peak_bytes) -> None:
+    """`generate`'s and `compress`'s options, checked before the slow load:
+    auto's, or the named algorithm's (its calibration files found)."""
+    from ..api import make_options
+
+    if algo == "auto":
+        check_auto(options, max_peak_bytes)
+    elif max_peak_bytes is not None:
+        raise UserError("--max-peak-bytes is auto's (no --algo, or --algo auto)")
+    else:
+        make_options(algo, options)
+        refuse_missing_calibration(algo, options)
+
+
 def choose_auto(model, options: dict, max_peak_bytes, path: str, n_tokens: int):
     """Auto's choice for this prompt, said in one line on stderr."""
     from ..auto import resolve

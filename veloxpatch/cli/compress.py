@@ -14,10 +14,9 @@ from .checks import (
     OutputFile,
     UserError,
     algo_options,
-    check_auto,
+    check_before_load,
     choose_auto,
     refuse_existing,
-    refuse_missing_calibration,
     user_errors,
 )
 
@@ -84,7 +83,7 @@ def compress(
     """Prefill and compress a context with no question; save its cache to OUT."""
     from model_adapters.base import fingerprint
 
-    from ..api import apply, make_options
+    from ..api import apply
     from ..caches.io import save_cache
     from ..caches.options import absolute_paths, files_of
     from ..loading.models import load
@@ -92,13 +91,7 @@ def compress(
 
     algo = algo or ("auto" if max_kv_bytes is not None else "kvzip")
     options = algo_options(budget, algo_args, max_kv_bytes)
-    if algo == "auto":
-        check_auto(options, max_peak_bytes)  # fail before the slow load
-    elif max_peak_bytes is not None:
-        raise UserError("--max-peak-bytes is auto's (no --algo, or --algo auto)")
-    else:
-        make_options(algo, options)  # fail before the slow load
-        refuse_missing_calibration(algo, options)
+    check_before_load(algo, options, max_peak_bytes)
     refuse_existing(force, out=out)
     text = read_utf8(context_path)
     m, tokenizer = load(model)

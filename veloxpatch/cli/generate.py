@@ -11,9 +11,8 @@ from .checks import (
     NonEmpty,
     UserError,
     algo_options,
-    check_auto,
+    check_before_load,
     choose_auto,
-    refuse_missing_calibration,
     user_errors,
 )
 
@@ -105,7 +104,7 @@ def generate(
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from ..api import apply, make_options
+    from ..api import apply
     from ..caches.options import files_of
     from ..loading.models import chat_prompt, load
     from ..memory import full_kv_bytes, kv_bytes
@@ -123,13 +122,7 @@ def generate(
             raise UserError(f"--cache gives the algorithm and its options; drop {drop}")
     algo = algo or ("auto" if max_kv_bytes is not None and not cache_path else "full")
     options = algo_options(budget, algo_args, max_kv_bytes)
-    if algo == "auto":
-        check_auto(options, max_peak_bytes)  # fail before the slow load
-    elif max_peak_bytes is not None:
-        raise UserError("--max-peak-bytes is auto's (no --algo, or --algo auto)")
-    else:
-        make_options(algo, options)  # fail before the slow load
-        refuse_missing_calibration(algo, options)
+    check_before_load(algo, options, max_peak_bytes)
     prompt = read_prompt(prompt)
     m, tokenizer = load(model, quantized=quantized)
     if chat and getattr(tokenizer, "chat_template", None) is None:

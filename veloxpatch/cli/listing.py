@@ -27,7 +27,7 @@ def list_(verbose, share):
         return auto_choices(share)
     from model_adapters import ADAPTERS
 
-    from ..api import ALGORITHMS
+    from ..caches import ALGORITHMS
 
     click.echo("algorithms:")
     for name, cls in ALGORITHMS.items():
