@@ -72,16 +72,16 @@ def test_targets_parse_as_shares_or_bytes():
 EXPECTED = {
     ("10%", "generate"): (("snapkv", 16), ("snapkv", 16)),
     ("10%", "compress"): (("kvzip", 16), ("kvzip", 16)),
-    ("10%", "serve"): (("kvzap", 16), ("kvzip", 16)),  # a tie: kvzap is faster
-    ("10%", "apply"): (("kvzap", 16), ("kvzip", 16)),
-    ("5%", "apply"): (("kvzap", 16), ("kvzip", 16)),  # under the table: its 10%
+    ("10%", "serve"): (("kvzip", 16), ("kvzip", 16)),  # a tie: kvzip answers more
+    ("10%", "apply"): (("kvzip", 16), ("kvzip", 16)),
+    ("5%", "apply"): (("kvzip", 16), ("kvzip", 16)),  # under the table: its 10%
     ("20%", "generate"): (("kvzap", 4), ("snapkv", 16)),
     ("25%", "compress"): (("kvzap", 4), ("kvzip", 16)),  # 3.1 s beats 3.3 s
     ("20%", "serve"): (("kvzap", 4), ("kvzip", 4)),
     ("20%", "apply"): (("kvzap", 4), ("kvzip", 4)),  # mlx.rotating: an anchor
     ("35%", "generate"): (("kvzap", 16), ("kvzip", 16)),
     ("100%", "compress"): (("kvzip", 16), ("kvzip", 16)),
-    ("35%", "apply"): (("kvzap", 16), ("kvzip", 16)),
+    ("35%", "apply"): (("kvzip", 16), ("kvzip", 16)),  # 35 answers to kvzap's 34
 }
 
 
@@ -260,7 +260,8 @@ def independent_rule(table, fraction, path, kvzap):
             continue
         if r["algo"] == "kvzap" and not kvzap:
             continue
-        key = (min(r["correct"][p] for p in protocols), -r["prefill_s_median"])
+        scores = [r["correct"][p] for p in protocols]
+        key = (min(scores), sum(scores), -r["prefill_s_median"])
         if best is None or key > best[0]:
             best = (key, r)
     return best[1]

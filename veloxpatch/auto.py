@@ -183,11 +183,16 @@ def score(row: dict, path: str) -> int:
     return min(row["correct"][p] for p in PATHS[path])
 
 
+def total(row: dict, path: str) -> int:
+    return sum(row["correct"][p] for p in PATHS[path])
+
+
 def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
     """The contract's rule: the candidate rows at the table's fraction for
     `fraction`, kvzap only with a scorer (`kvzap`), those whose peak `fits`
     (row -> bool, None: all); the best worst case over the path's protocols,
-    ties to the faster prefill. Returns (row or None, the table fraction)."""
+    ties to the most answers over them, then to the faster prefill. Returns
+    (row or None, the table fraction)."""
     at = table_fraction(table, fraction)
     rows = [
         r
@@ -199,8 +204,12 @@ def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
         and (kvzap or r["algo"] != "kvzap")
         and (fits is None or fits(r))
     ]
+    # a tie on the worst case goes to the most answers over the path's
+    # protocols (all-zero worst cases would otherwise pick the fastest junk)
     best = max(
-        rows, key=lambda r: (score(r, path), -r["prefill_s_median"]), default=None
+        rows,
+        key=lambda r: (score(r, path), total(r, path), -r["prefill_s_median"]),
+        default=None,
     )
     return best, at
 
