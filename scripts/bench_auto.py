@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shlex
@@ -383,15 +384,6 @@ def timed_read(model, tokenizer, arm, ids) -> dict:
     return {"prefill_s": seconds, "prefill_peak_bytes": peak, "kv_bytes_read": held}
 
 
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def second_turn(model, arm, seen, caches, conv_ids):
     """(caches, tokens still to read) for turn 2, as the server finds them:
     our caches through `kept_for_later`, mlx-lm's caches trimmed back to the
@@ -409,7 +401,7 @@ def second_turn(model, arm, seen, caches, conv_ids):
         if kept is None:
             return fresh_caches(model, arm), conv_ids
         tokens, caches, _ = kept
-    shared = min(common_prefix(tokens, conv_ids), len(conv_ids) - 1)
+    shared = min(len(os.path.commonprefix([tokens, conv_ids])), len(conv_ids) - 1)
     if shared < len(tokens):
         if not (can_trim_prompt_cache(caches) and reproduces(caches, shared)):
             return fresh_caches(model, arm), conv_ids
