@@ -50,12 +50,14 @@ MODEL = "SmolLM2-135M-Instruct, embedded, float32"
 TEXTS = {"evaluation": "evaluation", "licenses": "licenses-evaluation"}
 FRACTIONS = (0.1, 0.2, 0.35)
 PROTOCOLS = ("prompt", "after", "chat")
-# algo -> stored bits measured (16: the model's dtype). kvzip at 2 bits is left
-# out: 134 s a case on 2 CPUs, a fifth of the whole grid's time
+# algo -> storage measured: bits (16: the model's dtype), or (bits, residual)
+# where the residual is not the spec's default 128: at 20% of a 1,000-token
+# prompt 4-bit rows with 128 unquantized buy 96 rows, with 32 about 360. kvzip
+# at 2 bits is left out: 134 s a case on 2 CPUs, a fifth of the grid's time
 CANDIDATES = {
-    "kvzap": (16, 4),
-    "kvzip": (16, 4),
-    "snapkv": (16, 4),
+    "kvzap": (16, 4, (4, 32)),
+    "kvzip": (16, 4, (4, 32)),
+    "snapkv": (16, 4, (4, 32)),
     "expected_attention": (16, 4),
     "streaming_llm": (16,),
 }
@@ -259,25 +261,30 @@ class Config:
     kv_bits: int
     fraction: float  # None-free: full is 1.0, mlx.quantized its measured share
     anchor: bool
+    kv_residual: int | None = None  # None: the spec's default
+
+    @property
+    def name(self) -> str:
+        """ "kvzip 4-bit r32": what `--only` names (or just "kvzip")."""
+        more = "" if self.kv_residual is None else f" r{self.kv_residual}"
+        return f"{self.algo} {self.kv_bits}-bit{more}"
 
     @property
     def label(self) -> str:
-        return f"{self.algo} {self.kv_bits}-bit @ {self.fraction:g}"
+        return f"{self.name} @ {self.fraction:g}"
 
 
 def configs(fractions, only=None) -> list[Config]:
-    out = []
-    if only is None or "full" in only:
-        out.append(Config("full", 16, 1.0, True))
-    if only is None or "mlx.quantized" in only:
-        out.append(Config("mlx.quantized", 4, 0.0, True))  # fraction: measured
+    """Every configuration, or those `only` names (an algorithm, or one
+    configuration's name: "kvzip 4-bit r32")."""
+    out = [Config("full", 16, 1.0, True), Config("mlx.quantized", 4, 0.0, True)]
     for f in fractions:
-        for algo, bits in CANDIDATES.items():
-            if only is None or algo in only:
-                out += [Config(algo, b, f, False) for b in bits]
-        if only is None or "mlx.rotating" in only:
-            out.append(Config("mlx.rotating", 16, f, True))
-    return out
+        for algo, stores in CANDIDATES.items():
+            for b in stores:
+                bits, residual = b if isinstance(b, tuple) else (b, None)
+                out.append(Config(algo, bits, f, False, residual))
+        out.append(Config("mlx.rotating", 16, f, True))
+    return [c for c in out if only is None or c.algo in only or c.name in only]
 
 
 def arm_for(model, config: Config, n_tokens: int, scorer):
@@ -296,6 +303,8 @@ def arm_for(model, config: Config, n_tokens: int, scorer):
     if config.algo == "mlx.rotating":  # max_size: the rows the bytes buy
         return Arm("mlx.rotating", rotating_options(model, {"max_kv_bytes": target}))
     given = {} if config.kv_bits == 16 else {"kv_bits": config.kv_bits}
+    if config.kv_residual is not None:
+        given["kv_residual"] = config.kv_residual
     if config.algo == "kvzap":
         given["scorer"] = scorer
     return Arm(config.algo, held_options(model, config.algo, target, given))
@@ -493,6 +502,12 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+def residual_of(config: Config) -> dict:
+    """The row's `kv_residual` where it is not the spec's default (the table
+    contract: absent means the default)."""
+    return {} if config.kv_residual is None else {"kv_residual": config.kv_residual}
+
+
 def table_row(config: Config, cases: list[dict]) -> dict:
     by_text = {
         t: {p: sum(c[p]["correct"] for c in cases if c["text"] == t) for p in PROTOCOLS}
@@ -507,6 +522,7 @@ def table_row(config: Config, cases: list[dict]) -> dict:
     return {
         "algo": config.algo,
         "kv_bits": config.kv_bits,
+        **residual_of(config),
         "fraction": fraction,
         "anchor": config.anchor,
         "n": len(cases),
@@ -524,6 +540,7 @@ def error_row(config: Config, n: int, message: str) -> dict:
     return {
         "algo": config.algo,
         "kv_bits": config.kv_bits,
+        **residual_of(config),
         "fraction": config.fraction,
         "anchor": config.anchor,
         "n": n,
@@ -555,13 +572,15 @@ def score_cell(row: dict, protocol: str) -> str:
 def markdown_body(res: dict) -> list[str]:
     from results_markdown import mb, table
 
+    from veloxpatch.auto import stored
+
     rows = []
     for r in res["rows"]:
         err = r["error"]
         rows.append(
             [
                 f"`{r['algo']}`" + (" (anchor)" if r["anchor"] else ""),
-                r["kv_bits"],
+                stored(r, short=True).removesuffix("-bit").replace("-bit", ""),
                 f"{r['fraction']:g}",
                 "" if r["budget_median"] is None else r["budget_median"],
                 mb(r["kv_bytes_median"]),
@@ -600,12 +619,14 @@ def write_all(res: dict, out: Path, table_path: Path | None) -> None:
 
 
 def merged(old: list[dict], new: list[dict]) -> list[dict]:
-    """`old` rows with those of the same (algo, bits, fraction) replaced."""
+    """`old` rows with those of the same (algo, bits, residual, fraction)
+    replaced."""
 
     def key(r):
         return (
             r["algo"],
             r["kv_bits"],
+            r.get("kv_residual"),
             r["fraction"] if r["algo"] != "mlx.quantized" else 0,
         )
 
@@ -622,8 +643,9 @@ def parse_args(argv=None):
     ap.add_argument(
         "--only",
         default=None,
-        help="configurations of these algorithms only (comma-separated; "
-        f"{', '.join([*CANDIDATES, *ANCHORS])}), merged into an existing --out",
+        help="these algorithms' configurations only, or named ones like 'kvzip "
+        f"4-bit r32' (comma-separated; {', '.join([*CANDIDATES, *ANCHORS])}), "
+        "merged into an existing --out",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scorer", default=SCORER, help="kvzap's scorer file")
@@ -634,7 +656,7 @@ def parse_args(argv=None):
         help="the package's table to write ('' for none)",
     )
     args = ap.parse_args(argv)
-    known = {*CANDIDATES, *ANCHORS}
+    known = {*CANDIDATES, *ANCHORS, *(c.name for c in configs(FRACTIONS))}
     try:
         args.fractions = sorted({float(f) for f in args.fractions.split(",")})
     except ValueError:

@@ -287,3 +287,30 @@ def test_a_choice_made_for_one_prompt_keeps_its_rows(fixture_table):
     with veloxpatch.patched(model, choice.algo, **choice.options) as patch:
         patch.auto = choice
         assert patch.make_cache()[0].options.budget == choice.budget
+
+
+def test_a_row_with_its_own_residual_carries_it_into_the_choice(monkeypatch, tmp_path):
+    """A 4-bit row measured with 32 newest rows unquantized (not the spec's
+    128) is chosen with that residual, said so, and its rows priced with it."""
+    table = json.loads(FIXTURE.read_text())
+    row = next(
+        r for r in table["rows"] if r["algo"] == "kvzip" and r["fraction"] == 0.35
+    )
+    better = {**row, "kv_bits": 4, "kv_residual": 32}
+    better["correct"] = {p: 12 for p in ("prompt", "after", "chat")}
+    better["prefill_s_median"] = 1.5  # beats kvzip 16-bit's tie on answers
+    table["rows"].append(better)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(auto, "TABLE", path)
+    model = model32()
+    choice = auto.choose(model, "35%", "compress", n_tokens=2000)
+    assert choice.options["kv_bits"] == 4 and choice.options["kv_residual"] == 32
+    assert "4-bit keys and values (the newest 32 rows unquantized)" in choice.line()
+    assert choice.record()["kv_residual"] == 32
+    default = auto.held_options(model, "kvzip", choice.held_bytes, {"kv_bits": 4})
+    assert choice.budget > default["budget"]  # fewer dense rows: more rows held
+    with veloxpatch.patched(model, choice.algo, **choice.options) as patch:
+        assert patch.make_cache()[0].options.quant.residual == 32
+    result = CliRunner().invoke(main, ["list", "--auto", "35%"])
+    assert result.exit_code == 0 and "kvzip 4-bit r32 12/12" in result.output

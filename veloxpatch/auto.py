@@ -238,7 +238,6 @@ class Choice:
         return self.options["budget"]
 
     def line(self) -> str:
-        bits = "16-bit" if self.kv_bits == 16 else f"{self.kv_bits}-bit"
         n = self.row["n"]
         scores = ", ".join(
             f"{PROTOCOL_WORDS[p]} {self.row['correct'][p]}/{n}"
@@ -252,7 +251,7 @@ class Choice:
             else f"this {self.n_tokens}-token prompt"
         )
         text = (
-            f"auto: {self.algo}, {self.budget} rows, {bits} keys and values — best "
+            f"auto: {self.algo}, {self.budget} rows, {stored(self.row)} — best "
             f"measured at {self.table_fraction:.0%} of full KV for {self.path} "
             f"({scores}){under}; target {self.target} = {self.fraction:.1%} of the "
             f"full KV of {length}, peak while reading it about "
@@ -273,6 +272,7 @@ class Choice:
             "path": self.path,
             "chose": self.algo,
             "kv_bits": self.kv_bits,
+            "kv_residual": self.row.get("kv_residual"),
             "table_fraction": self.table_fraction,
             "fraction": round(self.fraction, 6),
             "n_tokens": self.n_tokens,
@@ -293,7 +293,20 @@ def scorer_for(model) -> str | None:
 
 def _options_of(row: dict, scorer: str | None) -> dict:
     opts = {} if row["kv_bits"] == 16 else {"kv_bits": int(row["kv_bits"])}
+    if row.get("kv_residual") is not None:  # else the spec's default
+        opts["kv_residual"] = int(row["kv_residual"])
     return opts | ({"scorer": scorer} if row["algo"] == "kvzap" else {})
+
+
+def stored(row: dict, short: bool = False) -> str:
+    """How a row stores keys and values: "4-bit keys and values (the newest 32
+    rows unquantized)" where its residual is not the spec's default; `short`:
+    "4-bit r32"."""
+    bits, residual = row["kv_bits"], row.get("kv_residual")
+    if short:
+        return f"{bits}-bit" + ("" if residual is None else f" r{residual}")
+    more = "" if residual is None else f" (the newest {residual} rows unquantized)"
+    return f"{bits}-bit keys and values{more}"
 
 
 def peak_of(row: dict, table: dict, n_tokens: int) -> int:

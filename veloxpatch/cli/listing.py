@@ -58,7 +58,15 @@ def list_(verbose, share):
 def auto_choices(share) -> None:
     """The rule applied to the packaged table at each fraction and path, with
     a kvzap scorer for the model and without one."""
-    from ..auto import PATHS, load_table, parse_target, rule, score, table_fraction
+    from ..auto import (
+        PATHS,
+        load_table,
+        parse_target,
+        rule,
+        score,
+        stored,
+        table_fraction,
+    )
 
     target = parse_target(share, "--auto")
     if target.ratio is None:
@@ -80,7 +88,7 @@ def auto_choices(share) -> None:
     def said(row, path):
         if row is None:
             return "(none measured)"
-        return f"{row['algo']} {row['kv_bits']}-bit {score(row, path)}/{row['n']}"
+        return f"{row['algo']} {stored(row, short=True)} {score(row, path)}/{row['n']}"
 
     for f in sorted(table["fractions"]):
         mark = "*" if abs(f - reads) < 1e-9 else " "
