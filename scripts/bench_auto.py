@@ -697,8 +697,11 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     old = json.loads(out.read_text()) if args.only and out.is_file() else None
     res = {
-        "command": command.strip(),
-        "commit": info["git_commit"],
+        # a part merged into an earlier run: both commands and commits
+        "command": command.strip() if not old else f"{old['command']} && {command}",
+        "commit": info["git_commit"]
+        if not old
+        else f"{old['commit']}+{info['git_commit']}",
         "model": MODEL,
         "context_tokens": args.context,
         "texts": list(TEXTS),
