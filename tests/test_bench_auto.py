@@ -101,3 +101,14 @@ def test_a_tiny_run_writes_the_contracts_table(tmp_path):
     assert row["budget_median"] > 0 and row["kv_bytes_median"] > 0
     assert row["prefill_s_median"] > 0 and row["prefill_peak_bytes_median"] > 0
     assert out.with_suffix(".md").is_file()
+
+
+def test_only_names_one_configuration_and_merging_keeps_residuals_apart():
+    picked = bench_auto.configs([0.2], {"kvzip 4-bit r32"})
+    assert [(c.algo, c.kv_bits, c.kv_residual) for c in picked] == [("kvzip", 4, 32)]
+    assert len(bench_auto.configs([0.2], {"kvzip"})) == 3  # 16, 4, 4 r32
+    old = [{"algo": "kvzip", "kv_bits": 4, "fraction": 0.2, "n": 8}]
+    new = [{"algo": "kvzip", "kv_bits": 4, "kv_residual": 32, "fraction": 0.2, "n": 8}]
+    assert bench_auto.merged(old, new) == old + new
+    again = [{**new[0], "n": 9}]
+    assert bench_auto.merged(old + new, again) == old + again
