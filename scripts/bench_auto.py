@@ -265,9 +265,11 @@ class Config:
 
     @property
     def name(self) -> str:
-        """ "kvzip 4-bit r32": what `--only` names (or just "kvzip")."""
-        more = "" if self.kv_residual is None else f" r{self.kv_residual}"
-        return f"{self.algo} {self.kv_bits}-bit{more}"
+        """What `--only` names (or just the algorithm): "kvzip 4-bit r32"."""
+        from veloxpatch.auto import stored  # imports no mlx
+
+        row = {"kv_bits": self.kv_bits, **residual_of(self)}
+        return f"{self.algo} {stored(row, short=True)}"
 
     @property
     def label(self) -> str:
@@ -580,7 +582,7 @@ def markdown_body(res: dict) -> list[str]:
         rows.append(
             [
                 f"`{r['algo']}`" + (" (anchor)" if r["anchor"] else ""),
-                stored(r, short=True).removesuffix("-bit").replace("-bit", ""),
+                stored(r, short=True).replace("-bit", ""),
                 f"{r['fraction']:g}",
                 "" if r["budget_median"] is None else r["budget_median"],
                 mb(r["kv_bytes_median"]),
