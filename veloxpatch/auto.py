@@ -306,6 +306,8 @@ def stored(row: dict, short: bool = False) -> str:
     if short:
         return f"{bits}-bit" + ("" if residual is None else f" r{residual}")
     more = "" if residual is None else f" (the newest {residual} rows unquantized)"
+    if residual == 0:  # a group still filling stays dense
+        more = " (each group of rows quantized once it fills)"
     return f"{bits}-bit keys and values{more}"
 
 
