@@ -314,3 +314,58 @@ def test_a_row_with_its_own_residual_carries_it_into_the_choice(monkeypatch, tmp
         assert patch.make_cache()[0].options.quant.residual == 32
     result = CliRunner().invoke(main, ["list", "--auto", "35%"])
     assert result.exit_code == 0 and "kvzip 4-bit r32 12/12" in result.output
+
+
+def test_auto_arms_take_shares_and_sizes_and_a_share_is_autos_alone():
+    from veloxpatch.eval.arms import expand
+
+    arms = expand(["auto", "kvzip", "mlx.quantized"], memory=["15MB"])
+    assert [a.label for a in arms] == [
+        "auto:max_kv_bytes=15MB",
+        "kvzip:max_kv_bytes=15MB",
+        "mlx.quantized",
+    ]
+    arms = expand(["auto", "auto:max_kv_bytes=35%"], memory=["20%", "9MB"])
+    assert [a.label for a in arms] == [
+        "auto:max_kv_bytes=20%",
+        "auto:max_kv_bytes=9MB",
+        "auto:max_kv_bytes=35%",
+    ]
+    with pytest.raises(OptionError, match="auto's target") as e:
+        expand(["auto", "kvzip"], memory=["20%"])
+    assert "\n" not in str(e.value)
+
+
+def test_eval_refuses_a_bad_auto_arm_in_one_line_before_loading(fixture_table):
+    runner = CliRunner()
+    for args in (
+        ["--arms", "auto"],  # no target
+        ["--arms", "auto:budget=64", "--memory", "20%"],
+        ["--arms", "auto", "--memory", "0%"],
+        ["--arms", "auto,snapkv", "--memory", "20%"],
+    ):
+        result = runner.invoke(main, ["eval", "--model", "/nonexistent", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1, result.output
+        assert "nonexistent" not in result.output
+
+
+def test_an_auto_arm_runs_what_auto_chooses_for_each_prompt(fixture_table):
+    # the continuation task on a tiny model: the row keeps the arm's label and
+    # holds what auto's choice for that context's length holds
+    from veloxpatch.eval.arms import Arm, chosen
+    from veloxpatch.eval.metrics import evaluate_continuation
+
+    model = model32()
+    ids = prompt_tokens(640).tolist()
+    arm = Arm("auto", {"max_kv_bytes": "30%"})
+    for n in (400, 600):
+        use = chosen(model, arm, n)
+        choice = auto.choose(model, "30%", "generate", n)
+        assert (use.algo, use.options) == (choice.algo, choice.options)
+        rows = evaluate_continuation(model, [arm], ids[:n], ids[n : n + 24], 32)
+        (row,) = [r for r in rows if r.arm == arm.label]
+        assert row.algo == "auto"
+        assert row.kv_bytes <= auto.full_bytes(model, n) * 0.3
+    assert chosen(model, Arm("snapkv"), 400) == Arm("snapkv")
+    assert chosen(model, arm, 400).options != chosen(model, arm, 600).options

@@ -361,9 +361,11 @@ def held_rows(model, algo: str, target: Target, n_tokens: int, options: dict):
     )
 
 
-def resolve(model, options: dict, path: str, n_tokens=None) -> Choice:
-    """Auto's choice from the options `apply(algo="auto", ...)` was given:
-    `max_kv_bytes` (the target) and `max_peak_bytes`, nothing else."""
+def check_options(options: dict) -> None:
+    """The options `algo="auto"` takes, checked without a model: `max_kv_bytes`
+    (the target) and `max_peak_bytes`, nothing else."""
+    from .caches.kv_budget import parse_size
+
     other = sorted(set(options) - {"max_kv_bytes", "max_peak_bytes"})
     if other:
         raise OptionError(
@@ -376,6 +378,15 @@ def resolve(model, options: dict, path: str, n_tokens=None) -> Choice:
             "algo='auto' needs max_kv_bytes: a share of the full KV like '20%' or "
             "a size like '24MB'"
         )
+    parse_target(options["max_kv_bytes"])
+    if options.get("max_peak_bytes") is not None:
+        parse_size(options["max_peak_bytes"], "max_peak_bytes")
+
+
+def resolve(model, options: dict, path: str, n_tokens=None) -> Choice:
+    """Auto's choice from the options `apply(algo="auto", ...)` was given
+    (`check_options`)."""
+    check_options(options)
     return choose(
         model, options["max_kv_bytes"], path, n_tokens, options.get("max_peak_bytes")
     )

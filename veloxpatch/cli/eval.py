@@ -25,19 +25,19 @@ def _arms(text: str, budgets: list[int], memory: list[str] = ()):
     """The arms `--arms` and `--budgets` (or `--memory`) name: at least one,
     none twice, and every budget or size used by some arm."""
     from ..api import algorithm
-    from ..caches.kv_budget import parse_size
-    from ..eval.arms import expand, is_peer, split_arms
+    from ..auto import parse_target
+    from ..eval.arms import AUTO, expand, is_peer, split_arms
 
     texts = split_arms(text)
     if not texts:
         raise UserError(f"--arms names no arm, got {text!r}")
     if budgets and memory:
         raise UserError("--budgets and --memory: give one (both set the budget)")
-    for size in memory:
-        parse_size(size)
+    for size in memory:  # a share (20%) for auto arms, checked as they expand
+        parse_target(size, "--memory")
     arms = expand(texts, budgets, memory)
     for arm in arms:  # an unknown name first, not as an arm no budget applies to
-        if not is_peer(arm.algo):
+        if not is_peer(arm.algo) and arm.algo != AUTO:
             algorithm(arm.algo)
     flag = "--budgets" if budgets else "--memory"
     if (budgets or memory) and [a.label for a in arms] == [
@@ -67,10 +67,16 @@ def _config() -> dict:
 def _check_arms(arms):
     """Validate every arm before anything runs; return (runnable, skipped)."""
     from ..api import make_options
-    from ..eval.arms import is_peer
+    from ..auto import check_options, load_table
+    from ..eval.arms import AUTO, is_peer
 
     runnable, skipped = [], []
     for arm in arms:
+        if arm.algo == AUTO:
+            check_options(arm.options)
+            load_table()
+            runnable.append(arm)
+            continue
         if not is_peer(arm.algo):
             make_options(arm.algo, arm.options)  # unknown names raise here
             refuse_missing_calibration(arm.algo, dict(arm.options))
@@ -189,8 +195,9 @@ def _with(options):
     "--memory",
     default="",
     metavar="SIZES",
-    help="KV bytes, e.g. 6MB,12MB,24MB: every arm with a budget (ours, "
-    "mlx.rotating) runs at each, as max_kv_bytes; the others once",
+    help="KV bytes, e.g. 6MB,12MB,24MB (auto also takes shares of the full KV, "
+    "e.g. 20%): every arm with a budget (ours, mlx.rotating, auto) runs at each, "
+    "as max_kv_bytes; the others once",
 )
 @click.option(
     "--plot",

@@ -17,6 +17,7 @@ from ..caches.base import VeloxCache
 from ..caches.phase import share_phase
 from ..context import copy_cache
 from ..memory import kv_bytes
+from .arms import chosen
 from .passkey import AgnosticCase
 from .runner import answer, case_row
 from .sessions import Prefills, arm_caches
@@ -32,30 +33,31 @@ def run_agnostic_case(
 ) -> list[dict]:
     rows = []
     contexts = compressed(model, tokenizer, case, arms, prefill_step_size)
-    for arm, caches, held, shared in contexts:
+    for arm, use, caches, held, shared in contexts:
         answers = [
             answer(model, tokenizer, q, copy_cache(caches), max_tokens)
             for q in case.questions
         ]
         for i, text in enumerate(answers):
-            row = case_row(arm, case, text, held, prefill_step_size, shared)
+            row = case_row(arm, case, text, held, prefill_step_size, shared, use)
             rows.append(row | {"question": i, "protocol": "agnostic"})
     return rows
 
 
 def compressed(model, tokenizer, case: AgnosticCase, arms, prefill_step_size=2048):
-    """Each arm's compressed context, in turn: (arm, caches, bytes held, shared
-    prefill), the caches live until the next arm's. Ask each question on a
-    copy (`copy_cache`)."""
+    """Each arm's compressed context, in turn: (arm, the configuration it ran
+    as, caches, bytes held, shared prefill), the caches live until the next
+    arm's. Ask each question on a copy (`copy_cache`)."""
     prefills = Prefills(model, case.context, arms, prefill_step_size)
     scores: dict = {}  # kvzip options but CHOICE -> per layer reconstruction scores
     for arm in arms:
-        with arm_caches(model, arm, case.context, prefills, prefill_step_size) as (
+        use = chosen(model, arm, len(case.context), "compress")
+        with arm_caches(model, use, case.context, prefills, prefill_step_size) as (
             caches,
             shared,
         ):
-            compress(model, tokenizer, arm, caches, case.context, scores)
-            yield arm, caches, kv_bytes(caches), shared
+            compress(model, tokenizer, use, caches, case.context, scores)
+            yield arm, use, caches, kv_bytes(caches), shared
 
 
 def compress(model, tokenizer, arm, caches, context, scores: dict) -> None:

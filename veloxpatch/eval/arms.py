@@ -31,6 +31,7 @@ class Arm:
 
 
 PEER_PREFIXES = ("mlx.", "veloxquant.")
+AUTO = "auto"  # resolved per prompt by veloxpatch.auto: `auto:max_kv_bytes=20%`
 
 
 def is_peer(algo: str) -> bool:
@@ -53,10 +54,24 @@ def bind_to(model, arms) -> None:
     group that must divide the head dimension) fails now, not after the arms
     before it have run."""
     from ..api import make_options
+    from ..auto import resolve
 
     for arm in arms:
-        if not is_peer(arm.algo):
+        if arm.algo == AUTO:  # at the table's prompt length
+            resolve(model, arm.options, "generate")
+        elif not is_peer(arm.algo):
             make_options(arm.algo, arm.options, model)
+
+
+def chosen(model, arm: Arm, n_tokens: int, path: str = "generate") -> Arm:
+    """`arm` itself, or for an `auto` arm the configuration auto picks for a
+    prompt of `n_tokens` on `path` (as `veloxpatch generate` would)."""
+    if arm.algo != AUTO:
+        return arm
+    from ..auto import resolve
+
+    choice = resolve(model, arm.options, path, n_tokens)
+    return Arm(choice.algo, choice.options)
 
 
 def split_arms(text: str) -> list[str]:
@@ -84,10 +99,12 @@ def parse_arm(text: str) -> Arm:
 
 def expand(arm_texts, budgets=(), memory=()) -> list[Arm]:
     """Parse arms; arms that take a budget and name none get each of `budgets`,
-    or each of the sizes in `memory` as `max_kv_bytes` (ours and mlx.rotating;
-    the others, mlx.quantized included, run once, at their own size)."""
+    or each of the sizes in `memory` as `max_kv_bytes` (ours, mlx.rotating and
+    auto, which alone takes shares like "20%"; the others, mlx.quantized
+    included, run once, at their own size)."""
     if budgets and memory:
         raise OptionError("give budgets or memory sizes, not both")
+    shares = [m for m in memory if "%" in str(m)]  # auto's rows follow the prompt
     arms = []
     for text in arm_texts:
         arm = parse_arm(text)
@@ -95,6 +112,11 @@ def expand(arm_texts, budgets=(), memory=()) -> list[Arm]:
         if budgets and takes_budget(arm.algo) and not priced:
             arms += [Arm(arm.algo, {**arm.options, "budget": b}) for b in budgets]
         elif memory and takes_bytes(arm.algo) and not priced:
+            if shares and arm.algo != AUTO:
+                raise OptionError(
+                    f"a share of the full KV ({shares[0]}) is auto's target; give "
+                    f"{arm.algo} a size like 24MB ({arm.algo}:max_kv_bytes=24MB)"
+                )
             arms += [Arm(arm.algo, {**arm.options, "max_kv_bytes": m}) for m in memory]
         else:
             arms.append(arm)
@@ -102,5 +124,6 @@ def expand(arm_texts, budgets=(), memory=()) -> list[Arm]:
 
 
 def takes_bytes(algo: str) -> bool:
-    """Whether `--memory` expands this arm: ours with a budget, mlx.rotating."""
-    return algo == "mlx.rotating" or (not is_peer(algo) and takes_budget(algo))
+    """Whether `--memory` expands this arm: ours with a budget, mlx.rotating,
+    auto."""
+    return algo in ("mlx.rotating", AUTO) or (not is_peer(algo) and takes_budget(algo))

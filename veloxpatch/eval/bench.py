@@ -24,7 +24,7 @@ from mlx_lm.generate import generate_step
 from ..memory import kv_bytes
 from ..prose import check_length, prose_length, prose_tokens
 from . import peers
-from .arms import Arm, bind_to
+from .arms import Arm, bind_to, chosen
 from .sessions import arm_caches, mlx_kind
 
 BASELINE = Arm("unpatched")
@@ -176,12 +176,14 @@ def run(
         for r in range(repeats):
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
             for arm in order:
-                m = measure(model, arm, ids, decode_tokens, step)
+                use = chosen(model, arm, len(ids))  # as mlx-lm's generate would
+                m = measure(model, use, ids, decode_tokens, step)
                 raw.append(
                     {
                         "context": context,
                         "repeat": r,
                         "arm": arm.label,
+                        **({} if use is arm else {"chose": use.label}),
                         "prefill_step_size": step,
                         **m,
                     }

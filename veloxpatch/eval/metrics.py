@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..memory import kv_bytes
 from .agnostic import compress
-from .arms import Arm
+from .arms import Arm, chosen
 from .sessions import Prefills, arm_caches
 
 
@@ -43,6 +43,8 @@ def arm_logprobs(
     sessions.Prefills of context[:-1]) shares the prefill between arms.
     `agnostic` (tokenizer, kvzip scores by options): context[:-1] is compressed
     as `Patch.prefill` does, before the last context token is fed."""
+    path = "generate" if agnostic is None else "compress"
+    arm = chosen(model, arm, len(context) - (agnostic is not None), path)
     with arm_caches(model, arm, context[:-1], prefills, prefill_step_size) as (
         caches,
         _,

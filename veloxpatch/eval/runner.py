@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from ..memory import kv_bytes
-from .arms import Arm
+from .arms import Arm, chosen
 from .passkey import PasskeyCase, wilson
 from .sessions import Prefills, arm_caches
 
@@ -57,7 +57,8 @@ def run_case(
     prefills = Prefills(model, head, arms, prefill_step_size)
     rows = []
     for arm in arms:
-        with arm_caches(model, arm, head, prefills, prefill_step_size) as (
+        use = chosen(model, arm, len(case.prompt))  # as mlx-lm's generate would
+        with arm_caches(model, use, head, prefills, prefill_step_size) as (
             caches,
             shared,
         ):
@@ -66,15 +67,17 @@ def run_case(
             text = answer(model, tokenizer, case.prompt[-1:], caches, max_tokens)
             kv = kv_bytes(caches)
         rows.append(
-            case_row(arm, case, text, kv, prefill_step_size, shared)
+            case_row(arm, case, text, kv, prefill_step_size, shared, use)
             | {"lead_in": "decoded" if lead else "prompt"}
         )
     return rows
 
 
-def case_row(arm, case, text, kv, prefill_step_size, shared) -> dict:
-    """One answer of one arm on one case, as the results files hold it."""
-    return {
+def case_row(arm, case, text, kv, prefill_step_size, shared, use=None) -> dict:
+    """One answer of one arm on one case, as the results files hold it; `use`:
+    the configuration an auto arm chose for this case."""
+    chose = {} if use is None or use is arm else {"chose": use.label}
+    return chose | {
         "arm": arm.label,
         "family": arm.family,
         "algo": arm.algo,

@@ -14,7 +14,7 @@ import contextlib
 import mlx.core as mx
 
 from .. import api
-from .arms import Arm, is_peer
+from .arms import AUTO, Arm, is_peer
 from .replay import capture_prefill
 
 
@@ -149,6 +149,8 @@ def arm_caches(model, arm: Arm, head, prefills=None, prefill_step_size=2048):
     """Yield (caches, shared): `arm`'s caches after `head`, with the model
     patched for `arm` while inside when the arm is ours. `prefills` (a
     Prefills of exactly `head`) shares the prefill between arms."""
+    if arm.algo == AUTO:  # its rows follow the prompt's length, not the head's
+        raise ValueError("an auto arm is resolved per prompt first (arms.chosen)")
     if is_peer(arm.algo):
         if prefills is not None:
             yield prefills.peer(arm)
