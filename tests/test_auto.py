@@ -365,7 +365,11 @@ def test_an_auto_arm_runs_what_auto_chooses_for_each_prompt(fixture_table):
         assert (use.algo, use.options) == (choice.algo, choice.options)
         rows = evaluate_continuation(model, [arm], ids[:n], ids[n : n + 24], 32)
         (row,) = [r for r in rows if r.arm == arm.label]
-        assert row.algo == "auto"
+        assert row.algo == "auto" and row.chose == use.label
         assert row.kv_bytes <= auto.full_bytes(model, n) * 0.3
+    from veloxpatch.eval.tasks.continuation import _table
+
+    table = _table([r.as_dict() for r in rows], [arm])
+    assert table[0]["ran"] == Arm(use.algo, use.options).family  # no rows
     assert chosen(model, Arm("snapkv"), 400) == Arm("snapkv")
     assert chosen(model, arm, 400).options != chosen(model, arm, 600).options

@@ -74,6 +74,12 @@ def chosen(model, arm: Arm, n_tokens: int, path: str = "generate") -> Arm:
     return Arm(choice.algo, choice.options)
 
 
+def ran(rows) -> str | None:
+    """What an auto arm ran over `rows` (results with `chose`), without the
+    rows that follow each prompt's length: "kvzip:kv_bits=4,kv_residual=32"."""
+    return ", ".join(sorted({parse_arm(r["chose"]).family for r in rows})) or None
+
+
 def split_arms(text: str) -> list[str]:
     """`snapkv:budget=256,window=16,full` -> ["snapkv:budget=256,window=16", "full"]:
     a piece with `=` and no `:` is one more option of the arm before it."""

@@ -43,8 +43,6 @@ def arm_logprobs(
     sessions.Prefills of context[:-1]) shares the prefill between arms.
     `agnostic` (tokenizer, kvzip scores by options): context[:-1] is compressed
     as `Patch.prefill` does, before the last context token is fed."""
-    path = "generate" if agnostic is None else "compress"
-    arm = chosen(model, arm, len(context) - (agnostic is not None), path)
     with arm_caches(model, arm, context[:-1], prefills, prefill_step_size) as (
         caches,
         _,
@@ -103,6 +101,7 @@ class ContinuationResult:
     kv_bytes: int
     shared_prefill: bool
     kl_profile: dict = field(default_factory=dict)
+    chose: str | None = None  # what an auto arm ran for this context
 
     def as_dict(self):
         return asdict(self)
@@ -122,12 +121,18 @@ def evaluate_continuation(
         model, Arm("full"), context, continuation, prefill_step_size, prefills
     )
     results = []
+    path, n = (
+        ("generate", len(context))
+        if agnostic is None
+        else ("compress", len(context) - 1)
+    )
     for arm in arms:
+        use = chosen(model, arm, n, path)  # as that path would for this context
         if arm.algo == "full" and not arm.options:
             lp, kv = reference, reference_kv  # the reference is this arm
         else:
             lp, kv = arm_logprobs(
-                model, arm, context, continuation, prefill_step_size, prefills, agnostic
+                model, use, context, continuation, prefill_step_size, prefills, agnostic
             )
         kl_at = position_kl(lp, reference)
         results.append(
@@ -144,6 +149,7 @@ def evaluate_continuation(
                 kv,
                 prefills.single,
                 kl_profile(kl_at),
+                None if use is arm else use.label,
             )
         )
     return results

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from ..memory import kv_bytes
-from .arms import Arm, chosen
+from .arms import Arm, chosen, ran
 from .passkey import PasskeyCase, wilson
 from .sessions import Prefills, arm_caches
 
@@ -106,6 +106,7 @@ def summarize(rows, arms) -> list[dict]:
                 "family": arm.family,
                 "algo": arm.algo,
                 "budget": arm.options.get("budget"),
+                "ran": ran(r for r in mine if "chose" in r),  # auto's pick
                 "correct": k,
                 "cases": n,
                 "accuracy": k / n if n else 0.0,

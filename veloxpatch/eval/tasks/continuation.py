@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass
 
 from ...prose import check_length, prose_length, prose_segments
+from ..arms import ran
 from ..metrics import evaluate_continuation
 from .base import EvalTask, check_protocol, check_text, require
 
@@ -71,7 +72,9 @@ class ContinuationTask(EvalTask):
                 f"{t['arm']:<40} {t['perplexity']:8.3f} {t['agreement']:6.3f} "
                 f"{t['kl']:7.4f} {t['kv_mb']:7.2f}"
             )
-        return lines
+        return lines + [
+            f"{t['arm']} ran {t['ran']}" for t in result["table"] if t["ran"]
+        ]
 
 
 def _table(rows, arms) -> list[dict]:
@@ -84,6 +87,7 @@ def _table(rows, arms) -> list[dict]:
                 "family": arm.family,
                 "algo": arm.algo,
                 "budget": arm.options.get("budget"),
+                "ran": ran(r for r in mine if r["chose"]),  # auto's pick
                 "perplexity": statistics.mean(r["perplexity"] for r in mine),
                 "agreement": statistics.mean(r["agreement"] for r in mine),
                 "kl": statistics.mean(r["kl"] for r in mine),

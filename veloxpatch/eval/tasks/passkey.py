@@ -128,6 +128,7 @@ class PasskeyTask(EvalTask):
                 f"{t['arm']:<40} {t['accuracy']:5.2f} {t['correct']:>3}/{t['cases']:<3}"
                 f"  [{lo:.2f}, {hi:.2f}]  {t['kv_mb']:6.2f}"
             )
+        lines += [f"{t['arm']} ran {t['ran']}" for t in result["table"] if t["ran"]]
         smallest = result.get("smallest_budget_for_90pct_of_full")
         if smallest:
             lines.append(f"smallest budget keeping 90% of full: {smallest}")
