@@ -53,12 +53,12 @@ PROTOCOLS = ("prompt", "after", "chat")
 # algo -> storage measured: bits (16: the model's dtype), or (bits, residual)
 # where the residual is not the spec's default 128: at 20% of a 1,000-token
 # prompt 4-bit rows with 128 unquantized buy 96 rows, with 32 about 360, with 0
-# about 460 (and at 10% only residual 0 buys any). kvzip at 2 bits is left
-# out: 134 s a case on 2 CPUs, and it buys 480 rows where 4-bit r0 buys 459
+# about 460 (and at 10% only residual 0 buys any); 2-bit r0 about 640. kvzip
+# at 2 bits is left out: 134 s a case on 2 CPUs, a fifth of the grid's time
 CANDIDATES = {
-    "kvzap": (16, 4, (4, 32), (4, 0)),
+    "kvzap": (16, 4, (4, 32), (4, 0), (2, 0)),
     "kvzip": (16, 4, (4, 32), (4, 0)),
-    "snapkv": (16, 4, (4, 32), (4, 0)),
+    "snapkv": (16, 4, (4, 32), (4, 0), (2, 0)),
     "expected_attention": (16, 4),
     "streaming_llm": (16,),
 }
