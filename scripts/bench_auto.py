@@ -704,7 +704,7 @@ def main(argv=None) -> dict:
         "command": command.strip() if not old else f"{old['command']} && {command}",
         "commit": info["git_commit"]
         if not old
-        else f"{old['commit']}+{info['git_commit']}",
+        else "+".join(dict.fromkeys([*old["commit"].split("+"), info["git_commit"]])),
         "model": MODEL,
         "context_tokens": args.context,
         "texts": list(TEXTS),
