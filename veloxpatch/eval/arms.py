@@ -75,9 +75,10 @@ def chosen(model, arm: Arm, n_tokens: int, path: str = "generate") -> Arm:
 
 
 def ran(rows) -> str | None:
-    """What an auto arm ran over `rows` (results with `chose`), without the
+    """What an auto arm ran over `rows` (those with a `chose`), without the
     rows that follow each prompt's length: "kvzip:kv_bits=4,kv_residual=32"."""
-    return ", ".join(sorted({parse_arm(r["chose"]).family for r in rows})) or None
+    picks = {parse_arm(r["chose"]).family for r in rows if r.get("chose")}
+    return ", ".join(sorted(picks)) or None
 
 
 def split_arms(text: str) -> list[str]:

@@ -173,10 +173,12 @@ def run(
     raw = []
     for context in contexts:
         ids = prose_tokens(tokenizer, context, text)
+        # auto's pick for this prompt, as mlx-lm's generate would make it: once
+        uses = {arm.label: chosen(model, arm, len(ids)) for arm in arms}
         for r in range(repeats):
             order = arms[r % len(arms) :] + arms[: r % len(arms)]
             for arm in order:
-                use = chosen(model, arm, len(ids))  # as mlx-lm's generate would
+                use = uses[arm.label]
                 m = measure(model, use, ids, decode_tokens, step)
                 raw.append(
                     {

@@ -106,7 +106,7 @@ def summarize(rows, arms) -> list[dict]:
                 "family": arm.family,
                 "algo": arm.algo,
                 "budget": arm.options.get("budget"),
-                "ran": ran(r for r in mine if "chose" in r),  # auto's pick
+                "ran": ran(mine),  # auto's pick
                 "correct": k,
                 "cases": n,
                 "accuracy": k / n if n else 0.0,

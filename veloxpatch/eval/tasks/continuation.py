@@ -87,7 +87,7 @@ def _table(rows, arms) -> list[dict]:
                 "family": arm.family,
                 "algo": arm.algo,
                 "budget": arm.options.get("budget"),
-                "ran": ran(r for r in mine if r["chose"]),  # auto's pick
+                "ran": ran(mine),  # auto's pick
                 "perplexity": statistics.mean(r["perplexity"] for r in mine),
                 "agreement": statistics.mean(r["agreement"] for r in mine),
                 "kl": statistics.mean(r["kl"] for r in mine),
