@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
+import numpy as np
 
 from ...errors import OptionError
 from ..attention_math import newest_queries, query_probs, query_tiles
@@ -85,6 +86,12 @@ class KVzipOptions(ModelWideOptions):
 
     def recent_rows(self):
         return self.recent
+
+    def holds_prompt(self) -> bool:
+        # the reconstruction scores every row of the prompt: held as read (as
+        # the unpatched model holds it) and quantized once the kept rows are
+        # chosen, so the pass reads dense rows at a prefill's cost and peak
+        return True
 
     def check_context(self, dims, dtype_size, n_tokens, new=None):
         # the reconstruction pass scores the context held at full precision,
@@ -193,6 +200,57 @@ class KVzipCache(EvictingCache):
         return [(0, sink), (start, end), (T - L, T)]
 
     def _attend_repeat(self, q, keys, values, scale):
+        if self.options.plus:  # KVzip+ weighs each probability: the general path
+            return self._attend_repeat_weighed(q, keys, values, scale)
+        return self._attend_repeat_fast(q, keys, values, scale)
+
+    def _attend_repeat_fast(self, q, keys, values, scale):
+        """`_attend_repeat_weighed` without KVzip+'s weights, in numpy (mlx's
+        CPU exp is scalar): exponentials once, unnormalised, the output
+        normalised after its matmul, the causal mask only on the columns some
+        query of a tile cannot see, and a pair's score e / (its subset's sum of
+        e), which is its probability under KVzip's softmax."""
+        B, Hq, L, D = q.shape
+        Hkv, T = keys.shape[1], keys.shape[2]
+        G = Hq // Hkv
+        (_, sink), (start, end), (rep, _) = self._subset(T, L)
+        whole = sink == start and end == rep
+        qg = np.array((q * scale).astype(mx.float32).reshape(B, Hkv, G, L, D))
+        kt = np.array(keys.astype(mx.float32)).swapaxes(-1, -2)
+        v = np.array(values.astype(mx.float32))
+        pos = np.array(self.positions_view())  # [B, Hkv, T]
+        out = np.empty((B, Hkv, G, L, D), np.float32)
+        best = np.zeros((B, Hkv, end - start), np.float32)
+        for a, b in query_tiles(0, L, B * Hq * T):
+            first = self.offset + a  # position of the tile's first query
+            hidden = np.flatnonzero((pos > first).any(axis=(0, 1)))
+            e = qg[:, :, :, a:b] @ kt[:, :, None]  # [B, Hkv, G, l, T]
+            if hidden.size:  # rows after some query of the tile, or padding
+                c0 = hidden[0]
+                qpos = np.arange(first, self.offset + b)[:, None]
+                vis = pos[:, :, None, None, c0:] <= qpos
+                np.copyto(e[..., c0:], -np.inf, where=~vis)
+            e -= e.max(axis=-1, keepdims=True)
+            np.exp(e, out=e)
+            total = e.sum(axis=-1, keepdims=True)
+            out[:, :, :, a:b] = (e @ v[:, :, None]) / total
+            share = (
+                total
+                if whole
+                else (
+                    e[..., :sink].sum(-1, keepdims=True)
+                    + e[..., start:end].sum(-1, keepdims=True)
+                    + e[..., rep:].sum(-1, keepdims=True)
+                )
+            )
+            chunk = e[..., start:end]
+            chunk *= 1 / share
+            np.maximum(best, chunk.max(axis=(2, 3)), out=best)
+        self._raise_scores(mx.array(best), start)
+        self.layer_input = None
+        return mx.array(out.reshape(B, Hq, L, D)).astype(q.dtype)
+
+    def _attend_repeat_weighed(self, q, keys, values, scale):
         """One softmax gives both the repeat's attention output and its scores:
         a pair's probability under KVzip's softmax (over `_subset`) is its
         probability over every row divided by the subset's share. In tiles of
