@@ -68,20 +68,24 @@ def test_targets_parse_as_shares_or_bytes():
 
 
 # the contract's rule read off the fixture by hand: (share, path) -> (with a
-# kvzap scorer, without one), each (algo, kv_bits)
+# kvzap scorer, without one), each (algo, kv_bits). "Within" is within one
+# spread sqrt(N p (1 - p)) of the best's count of answers over the protocols.
 EXPECTED = {
+    # best snapkv 8/12 (spread 1.6): kvzip's 7 is within but slower, kvzap's 6 not
     ("10%", "generate"): (("snapkv", 16), ("snapkv", 16)),
-    ("10%", "compress"): (("kvzip", 16), ("kvzip", 16)),
-    ("10%", "serve"): (("kvzip", 16), ("kvzip", 16)),  # a tie: kvzip answers more
-    ("10%", "apply"): (("kvzip", 16), ("kvzip", 16)),
-    ("5%", "apply"): (("kvzip", 16), ("kvzip", 16)),  # under the table: its 10%
+    ("10%", "compress"): (("kvzap", 16), ("kvzip", 16)),  # 5 within kvzip's 6
+    ("10%", "serve"): (("kvzap", 16), ("kvzip", 16)),  # 11 within 12 (spread 2.4)
+    ("10%", "apply"): (("kvzap", 16), ("kvzip", 16)),
+    ("5%", "apply"): (("kvzap", 16), ("kvzip", 16)),  # under the table: its 10%
+    # 11/12 (spread 1.0): kvzip 4-bit's 10 is measurably worse
     ("20%", "generate"): (("kvzap", 4), ("snapkv", 16)),
-    ("25%", "compress"): (("kvzap", 4), ("kvzip", 16)),  # 3.1 s beats 3.3 s
-    ("20%", "serve"): (("kvzap", 4), ("kvzip", 4)),
-    ("20%", "apply"): (("kvzap", 4), ("kvzip", 4)),  # mlx.rotating: an anchor
-    ("35%", "generate"): (("kvzap", 16), ("kvzip", 16)),
+    # expected_attention's 9 is within the best's 10 (spread 1.3) and reads fastest
+    ("25%", "compress"): (("kvzap", 4), ("expected_attention", 16)),
+    ("20%", "serve"): (("kvzap", 4), ("kvzip", 16)),
+    ("20%", "apply"): (("kvzap", 4), ("kvzip", 16)),  # mlx.rotating: an anchor
+    ("35%", "generate"): (("kvzap", 16), ("kvzip", 16)),  # 12/12: no spread
     ("100%", "compress"): (("kvzip", 16), ("kvzip", 16)),
-    ("35%", "apply"): (("kvzip", 16), ("kvzip", 16)),  # 35 answers to kvzap's 34
+    ("35%", "apply"): (("kvzip", 16), ("kvzip", 16)),  # 34 is not within 35 (1.0)
 }
 
 
@@ -98,10 +102,14 @@ def test_the_rule_on_the_fixture(fixture_table, share, path):
 def test_kvzap_is_left_out_without_this_models_scorer(fixture_table):
     model = model32()
     choice = auto.choose(model, "20%", "apply")
-    assert (choice.algo, choice.kv_bits) == ("kvzip", 4)
+    assert (choice.algo, choice.kv_bits) == ("kvzip", 16)
     line = choice.line()
     assert "\n" not in line and line.startswith("auto: kvzip, ")
-    assert "4-bit keys and values" in line and "20% of full KV" in line
+    assert "16-bit keys and values" in line and "20% of full KV" in line
+    # the trade: 30 answers read at 3.1 s where the best's 30 (worst case 10,
+    # not 9) take 3.3 s; the full model's prefill takes 2.0 s
+    assert "11/10/9 of 12" in line and "reads at 1.6x an unpatched prefill" in line
+    assert "the most answers, kvzip 4-bit 10/10/10, reads at 1.6x" in line
     assert "`veloxpatch calibrate --algo kvzap`" in line
     # a scorer made for another model, in another folder or in this one's
     other = model32(seed=1)
@@ -212,13 +220,13 @@ def test_list_auto_prints_each_fraction_and_path_without_a_model(fixture_table):
     lines = result.output.splitlines()
     assert "20% of full KV reads the 20% rows, marked *" in lines
     picked = {
-        (w[-8], w[-7]): (w[-6], w[-5], w[-3], w[-2])
+        (w[-10], w[-9]): (w[-8], w[-7], w[-4], w[-3])
         for w in map(str.split, lines)
-        if len(w) >= 8 and w[-7] in auto.PATHS
+        if len(w) >= 10 and w[-9] in auto.PATHS
     }
     assert len(picked) == 3 * len(auto.PATHS)
     assert picked["20%", "generate"] == ("kvzap", "4-bit", "snapkv", "16-bit")
-    assert picked["20%", "apply"] == ("kvzap", "4-bit", "kvzip", "4-bit")
+    assert picked["20%", "apply"] == ("kvzap", "4-bit", "kvzip", "16-bit")
     assert sum(line.startswith("*") for line in lines) == len(auto.PATHS)
 
 
@@ -254,17 +262,28 @@ def independent_rule(table, fraction, path, kvzap):
     }[path]
     at = [f for f in table["fractions"] if f <= fraction]
     at = max(at) if at else min(table["fractions"])
-    best = None
-    for r in table["rows"]:
-        if r["anchor"] or r["error"] is not None or r["fraction"] != at:
-            continue
-        if r["algo"] == "kvzap" and not kvzap:
-            continue
-        scores = [r["correct"][p] for p in protocols]
-        key = (min(scores), sum(scores), -r["prefill_s_median"])
-        if best is None or key > best[0]:
-            best = (key, r)
-    return best[1]
+    rows = [
+        r
+        for r in table["rows"]
+        if not r["anchor"]
+        and r["error"] is None
+        and r["fraction"] == at
+        and (kvzap or r["algo"] != "kvzap")
+    ]
+
+    def answers(r):
+        return [r["correct"][p] for p in protocols]
+
+    best = max(
+        rows, key=lambda r: (min(answers(r)), sum(answers(r)), -r["prefill_s_median"])
+    )
+    n = best["n"] * len(protocols)
+    rate = sum(answers(best)) / n
+    sd = (n * rate * (1 - rate)) ** 0.5  # the spread of the best's count
+    close = [r for r in rows if sum(answers(best)) - sum(answers(r)) <= sd]
+    return sorted(
+        close, key=lambda r: (r["prefill_s_median"], -min(answers(r)), -sum(answers(r)))
+    )[0]
 
 
 def test_the_committed_table_parses_and_auto_applies_the_rule_to_it():

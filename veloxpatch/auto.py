@@ -187,12 +187,27 @@ def total(row: dict, path: str) -> int:
     return sum(row["correct"][p] for p in PATHS[path])
 
 
-def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
-    """The contract's rule: the candidate rows at the table's fraction for
-    `fraction`, kvzap only with a scorer (`kvzap`), those whose peak `fits`
-    (row -> bool, None: all); the best worst case over the path's protocols,
-    ties to the most answers over them, then to the faster prefill. Returns
-    (row or None, the table fraction)."""
+def read_ratio(row: dict, table: dict) -> float | None:
+    """A row's read time (its prompts read and compressed) over the unpatched
+    model's prefill of the same prompts (the table's `full` anchor)."""
+    full = next((r for r in table["rows"] if r["anchor"] and r["algo"] == "full"), {})
+    base, seconds = full.get("prefill_s_median"), row.get("prefill_s_median")
+    return seconds / base if base and seconds else None
+
+
+def spread(row: dict, path: str) -> float:
+    """One standard deviation of the count of right answers over the path's
+    protocols at the row's rate p: sqrt(N p (1 - p)), N = cases x protocols.
+    A row whose count is within it of the best's is not measurably worse."""
+    n = row["n"] * len(PATHS[path])
+    p = total(row, path) / n
+    return math.sqrt(n * p * (1 - p))
+
+
+def candidates(table: dict, fraction: float, kvzap: bool, fits=None):
+    """(the candidate rows at the table's fraction for `fraction`, kvzap only
+    with a scorer, those whose peak `fits` (row -> bool, None: all); the table
+    fraction)."""
     at = table_fraction(table, fraction)
     rows = [
         r
@@ -204,14 +219,36 @@ def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
         and (kvzap or r["algo"] != "kvzap")
         and (fits is None or fits(r))
     ]
-    # a tie on the worst case goes to the most answers over the path's
-    # protocols (all-zero worst cases would otherwise pick the fastest junk)
-    best = max(
+    return rows, at
+
+
+def best_answering(rows: list, path: str):
+    """The row answering best on `path`: the best worst case over its
+    protocols, ties to the most answers over them, then the faster read."""
+    return max(
         rows,
         key=lambda r: (score(r, path), total(r, path), -r["prefill_s_median"]),
         default=None,
     )
-    return best, at
+
+
+def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
+    """The contract's rule (docs/auto.md): among the candidates, those whose
+    answers over the path's protocols are within one `spread` of the best's,
+    and of them the fastest read (ties to more answers). Returns (row or
+    None, the table fraction)."""
+    rows, at = candidates(table, fraction, kvzap, fits)
+    best = best_answering(rows, path)
+    if best is None:
+        return None, at
+    close = [
+        r for r in rows if total(best, path) - total(r, path) <= spread(best, path)
+    ]
+    pick = min(
+        close,
+        key=lambda r: (r["prefill_s_median"], -score(r, path), -total(r, path)),
+    )
+    return pick, at
 
 
 # ---- the choice -------------------------------------------------------------------
@@ -232,17 +269,20 @@ class Choice:
     held_bytes: int  # what the target allows once the prompt is read
     peak_bytes: int  # about what reading the prompt reaches (the table's, scaled)
     missing_scorer: bool  # kvzap was left out: no scorer for this model
+    read: float | None = None  # the row's read time / an unpatched prefill's
+    best: dict | None = None  # the row answering best, where not the one picked
+    best_read: float | None = None
 
     @property
     def budget(self) -> int:
         return self.options["budget"]
 
+    def answers(self, row: dict) -> str:
+        return "/".join(str(row["correct"][p]) for p in PATHS[self.path])
+
     def line(self) -> str:
         n = self.row["n"]
-        scores = ", ".join(
-            f"{PROTOCOL_WORDS[p]} {self.row['correct'][p]}/{n}"
-            for p in PATHS[self.path]
-        )
+        said = ", ".join(PROTOCOL_WORDS[p] for p in PATHS[self.path])
         under = " (the target is under the smallest fraction measured)"
         under = under if self.fraction < self.table_fraction - 1e-9 else ""
         length = (
@@ -251,11 +291,19 @@ class Choice:
             else f"this {self.n_tokens}-token prompt"
         )
         text = (
-            f"auto: {self.algo}, {self.budget} rows, {stored(self.row)} — best "
-            f"measured at {self.table_fraction:.0%} of full KV for {self.path} "
-            f"({scores}){under}; target {self.target} = {self.fraction:.1%} of the "
-            f"full KV of {length}, peak while reading it about "
-            f"{self.peak_bytes / 1e6:,.1f} MB"
+            f"auto: {self.algo}, {self.budget} rows, {stored(self.row)} — "
+            f"{self.answers(self.row)} of {n} ({said}) at {self.table_fraction:.0%} "
+            f"of full KV for {self.path}{_reads(self.read)}"
+        )
+        if self.best is not None:
+            text += (
+                f"; the most answers, {self.best['algo']} "
+                f"{stored(self.best, short=True)} {self.answers(self.best)}"
+                f"{_reads(self.best_read)}, are within the table's spread"
+            )
+        text += (
+            f"{under}; target {self.target} = {self.fraction:.1%} of the full KV of "
+            f"{length}, peak while reading it about {self.peak_bytes / 1e6:,.1f} MB"
         )
         if self.missing_scorer:
             text += (
@@ -263,6 +311,9 @@ class Choice:
                 "kvzap` makes the faster kvzap a candidate"
             )
         return text
+
+    def __str__(self) -> str:
+        return self.line()
 
     def record(self) -> dict:
         """What a patch or a saved cache records of the choice."""
@@ -277,6 +328,10 @@ class Choice:
             "fraction": round(self.fraction, 6),
             "n_tokens": self.n_tokens,
         }
+
+
+def _reads(ratio: float | None) -> str:
+    return "" if ratio is None else f", reads at {ratio:.1f}x an unpatched prefill"
 
 
 def scorer_for(model) -> str | None:
@@ -434,6 +489,9 @@ def choose(
             f"{TABLE.name} has no usable configuration at {at:.0%}; rebuild it "
             f"with `{BUILD}`"
         )
+    best = best_answering(
+        candidates(table, fraction, scorer is not None, fits)[0], path
+    )
     opts = held_rows(model, row["algo"], target, n, _options_of(row, scorer))
     kvzap_rows = any(
         r["algo"] == "kvzap" and r["fraction"] == at and not r["anchor"]
@@ -453,4 +511,7 @@ def choose(
         held_bytes=size,
         peak_bytes=peak_of(row, table, n),
         missing_scorer=scorer is None and kvzap_rows,
+        read=read_ratio(row, table),
+        best=None if best is row else best,
+        best_read=None if best is row else read_ratio(best, table),
     )

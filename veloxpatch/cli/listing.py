@@ -62,6 +62,7 @@ def auto_choices(share) -> None:
         PATHS,
         load_table,
         parse_target,
+        read_ratio,
         rule,
         score,
         stored,
@@ -83,12 +84,21 @@ def auto_choices(share) -> None:
     )
     under = " (under the smallest fraction measured)" if target.ratio < reads else ""
     click.echo(f"{target} of full KV reads the {reads:.0%} rows{under}, marked *")
-    click.echo(f"  {'fraction':<9} {'path':<9} {'with a kvzap scorer':<28} without")
+    click.echo(
+        "  answers of the path's protocols (worst case) / cases, read time over an "
+        "unpatched prefill"
+    )
+    click.echo(f"  {'fraction':<9} {'path':<9} {'with a kvzap scorer':<34} without")
 
     def said(row, path):
         if row is None:
             return "(none measured)"
-        return f"{row['algo']} {stored(row, short=True)} {score(row, path)}/{row['n']}"
+        ratio = read_ratio(row, table)
+        reads = "?" if ratio is None else f"{ratio:.1f}x"
+        return (
+            f"{row['algo']} {stored(row, short=True)} {score(row, path)}/{row['n']} "
+            f"{reads}"
+        )
 
     for f in sorted(table["fractions"]):
         mark = "*" if abs(f - reads) < 1e-9 else " "
@@ -96,6 +106,6 @@ def auto_choices(share) -> None:
             with_scorer, _ = rule(table, f, path, kvzap=True)
             without, _ = rule(table, f, path, kvzap=False)
             click.echo(
-                f"{mark} {f:<9.0%} {path:<9} {said(with_scorer, path):<28} "
+                f"{mark} {f:<9.0%} {path:<9} {said(with_scorer, path):<34} "
                 f"{said(without, path)}"
             )
