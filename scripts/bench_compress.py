@@ -1,78 +1,183 @@
-"""What compressing a context costs: `Patch.prefill` time per algorithm against
-the same context's plain prefill (`full`), medians of interleaved repeats; the
-compression pass alone is the difference (kvzip: its reconstruction, at three
-chunk sizes).
+"""What reading a document costs: `Patch.prefill` (read and compress, kvzip's
+reconstruction included) per configuration against the unpatched model's
+prefill of the same tokens (mlx-lm's own cache, 2,048-token steps), in one
+run: median seconds of interleaved repeats, and mx's peak memory while reading
+above what was in use before (the weights excluded). Every configuration holds
+20% of the prompt's full KV once it is read (`auto.held_options`); `auto` is
+what `veloxpatch compress --max-kv-bytes 20%` picks for that prompt.
 
-    .venv/bin/python scripts/bench_compress.py --contexts 1000,2000 --repeats 3 \
+    .venv/bin/python scripts/bench_compress.py --contexts 2000,8000 --repeats 3 \\
         --out scripts/results/bench_compress.json
+
+`--before FILE` adds an earlier run's ratios (the same script run at an older
+commit) beside this one's in the Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from veloxpatch import blas
 
 blas.preload()
 
 import mlx.core as mx  # noqa: E402
+from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
 import veloxpatch  # noqa: E402
+from veloxpatch import auto  # noqa: E402
+from veloxpatch.errors import OptionError  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.prose import prose_tokens  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_markdown import mb, table, write_beside  # noqa: E402
+
+SCORER = "scripts/results/smollm2_kvzap_linear.safetensors"  # any: same cost
+SHARE = 0.2
+STEP = 2048  # mlx-lm's prefill_step_size
 ARMS = {
-    "full": {},
-    "snapkv": dict(budget=256),
-    "expected_attention": dict(budget=256),
-    "kvzip": dict(budget=256),
-    "kvzip:chunk=1024": dict(budget=256, chunk=1024),
-    "kvzip:chunk=512": dict(budget=256, chunk=512),
+    "kvzip": {},
+    "kvzip 4-bit r32": {"kv_bits": 4, "kv_residual": 32},
+    "kvzip 4-bit r0": {"kv_bits": 4, "kv_residual": 0},
+    "kvzap 4-bit r0": {"kv_bits": 4, "kv_residual": 0, "scorer": SCORER},
+    "snapkv": {},
+    "auto": None,  # compress's pick at 20% for this prompt
 }
 
 
-def once(model, tokenizer, arm, options, ids) -> float:
-    with veloxpatch.patched(model, arm.split(":")[0], **options) as patch:
+def unpatched(model, ids) -> float:
+    caches = mlx_cache.make_prompt_cache(model)
+    start = time.perf_counter()
+    for a in range(0, len(ids), STEP):
+        model(mx.array(ids[a : a + STEP])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return time.perf_counter() - start
+
+
+def compressed(model, tokenizer, algo, options, ids) -> float:
+    with veloxpatch.patched(model, algo, **options) as patch:
         start = time.perf_counter()
-        caches = patch.prefill(ids, tokenizer=tokenizer)
+        caches = patch.prefill(ids, tokenizer=tokenizer, chunk=STEP)
         mx.eval([c.state for c in caches])
         return time.perf_counter() - start
 
 
+def measured(fn, *args) -> tuple[float, int]:
+    """(seconds, mx peak above what was in use before)."""
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    seconds = fn(*args)
+    return seconds, mx.get_peak_memory() - before
+
+
+def arm_options(model, name: str, n: int):
+    """(algorithm, options) of an arm for an n-token prompt."""
+    if name == "auto":
+        choice = auto.choose(model, f"{SHARE:.0%}", "compress", n_tokens=n)
+        return choice.algo, choice.options
+    algo = name.split()[0]
+    size = int(SHARE * auto.full_bytes(model, n))
+    return algo, auto.held_options(model, algo, size, ARMS[name])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="1000,2000")
+    ap.add_argument("--contexts", default="2000,8000")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--before", default=None, help="an earlier run's JSON")
     ap.add_argument("--out", default="scripts/results/bench_compress.json")
     args = ap.parse_args()
+    names = [a.strip() for a in args.arms.split(",")]
     info = run_info()
     model, tokenizer = veloxpatch.load()
     rows = []
     for n in [int(x) for x in args.contexts.split(",")]:
         ids = prose_tokens(tokenizer, n, "evaluation")
-        once(model, tokenizer, "full", {}, ids[:64])  # warm-up
-        times = {a: [] for a in ARMS}
+        unpatched(model, ids[:64])  # warm-up
+        arms = {}
+        for name in names:
+            try:
+                arms[name] = arm_options(model, name, n)
+            except OptionError as e:  # an older commit without it
+                print(f"{n:>6} {name:<18} skipped: {e}", flush=True)
+        runs = {name: [] for name in ["unpatched", *arms]}
         for _ in range(args.repeats):  # interleaved, so drift hits every arm
-            for algo, options in ARMS.items():
-                times[algo].append(once(model, tokenizer, algo, options, ids))
-        base = statistics.median(times["full"])
-        for algo, t in times.items():
-            med = statistics.median(t)
+            runs["unpatched"].append(measured(unpatched, model, ids))
+            for name, (algo, options) in arms.items():
+                runs[name].append(
+                    measured(compressed, model, tokenizer, algo, options, ids)
+                )
+        base_s = statistics.median(s for s, _ in runs["unpatched"])
+        base_peak = statistics.median(p for _, p in runs["unpatched"])
+        for name, got in runs.items():
+            seconds = statistics.median(s for s, _ in got)
+            peak = statistics.median(p for _, p in got)
+            algo, options = arms.get(name, ("unpatched", {}))
             rows.append(
                 {
                     "context": n,
-                    "arm": algo,
-                    "options": ARMS[algo],
-                    "seconds": t,
-                    "median_s": med,
-                    "vs_full_prefill": med / base,
-                    "pass_vs_prefill": (med - base) / base,
+                    "arm": name,
+                    "algo": algo,
+                    "options": options,
+                    "seconds": [s for s, _ in got],
+                    "peaks": [p for _, p in got],
+                    "median_s": seconds,
+                    "vs_prefill": seconds / base_s,
+                    "peak_bytes": peak,
+                    "peak_vs_prefill": peak / base_peak,
                 }
             )
-            print(f"{n:>6} {algo:<20} {med:6.2f} s  {med / base:5.2f}x", flush=True)
-    write_results(args.out, {"run": info, "config": vars(args), "table": rows})
+            print(
+                f"{n:>6} {name:<18} {seconds:7.2f} s {seconds / base_s:5.2f}x "
+                f"peak {peak / 1e6:7.1f} MB {peak / base_peak:5.2f}x",
+                flush=True,
+            )
+    res = {"run": info, "config": vars(args), "table": rows}
+    if args.before:
+        res["before"] = json.loads(Path(args.before).read_text())
+    write_results(args.out, res)
+    write_markdown(args.out, res)
+
+
+def write_markdown(out, res: dict) -> Path:
+    before = {
+        (r["context"], r["arm"]): r for r in res.get("before", {}).get("table", [])
+    }
+    then = res.get("before", {}).get("run", {}).get("git_commit")
+    rows = []
+    for r in res["table"]:
+        old = before.get((r["context"], r["arm"]))
+        rows.append(
+            [
+                r["context"],
+                r["arm"],
+                f"{r['median_s']:.1f}",
+                f"{r['vs_prefill']:.2f}x",
+                "" if old is None else f"{old['vs_prefill']:.2f}x",
+                mb(r["peak_bytes"]),
+                f"{r['peak_vs_prefill']:.2f}x",
+                "" if old is None else f"{old['peak_vs_prefill']:.2f}x",
+            ]
+        )
+    head = ["tokens", "configuration", "read s", "x prefill", f"x prefill at {then}"]
+    head += ["peak MB", "x prefill's peak", f"x peak at {then}"]
+    body = [
+        "Reading a document and compressing it to 20% of its full KV (`Patch."
+        "prefill`), against the unpatched model's prefill of the same tokens in "
+        "the same run: medians of interleaved repeats; peak: mx's peak above what "
+        "was in use before (not the weights).",
+        "",
+        *table(head, rows),
+    ]
+    return write_beside(out, res, "What reading a document costs", body, "")
 
 
 if __name__ == "__main__":

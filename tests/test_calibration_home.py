@@ -192,3 +192,29 @@ def test_cli_calibrate_without_out_writes_into_the_cache(monkeypatch):
     assert res.exit_code == 0, res.output
     assert path.read_bytes() != first
     assert [p.name for p in path.parent.iterdir()] == ["qfilters.safetensors"]
+
+
+def test_a_shipped_file_is_found_after_the_cache(monkeypatch, tmp_path):
+    """The package's own files (`calibration/shipped/`, the embedded model's
+    kvzap scorer) are found when the cache has none; the cache's wins."""
+    from veloxpatch.calibration import format as calibration_format
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(calibration_format, "SHIPPED", tmp_path)
+    with pytest.raises(OptionError, match="veloxpatch calibrate --algo kvzap"):
+        veloxpatch.apply(model, "kvzap")
+    shipped = tmp_path / home_path("kvzap", fingerprint(model)).parent.name
+    shipped.mkdir()
+    shutil.copyfile(tiny_scorer(model), shipped / "kvzap.safetensors")
+    with veloxpatch.patched(model, "kvzap") as patch:
+        assert patch.options.scorer == str(shipped / "kvzap.safetensors")
+    mine = in_home(model, "kvzap", tiny_scorer(model, seed=1))
+    with veloxpatch.patched(model, "kvzap") as patch:
+        assert patch.options.scorer == mine
+
+
+@pytest.mark.smollm
+def test_the_embedded_model_finds_its_shipped_kvzap_scorer():
+    model, _ = models.load()
+    with veloxpatch.patched(model, "kvzap", budget=64) as patch:
+        assert "/calibration/shipped/" in patch.options.scorer

@@ -10,6 +10,10 @@ ships in every install (`/usr/share/common-licenses`, base-files), legal prose,
 split by file into `licenses-calibration` and `licenses-evaluation` with no
 licence family in both (GPL-3 is in one, LGPL-2.1 in the other; GFDL-1.2,
 a near copy of 1.3, in neither).
+
+`mixed-calibration` alternates the two calibration texts in blocks of about
+1,000 tokens (the length kvzap's calibration segments have), so a file fitted
+on it has seen both kinds in equal parts.
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ LICENSE_SPLITS = {
     "licenses-calibration": ("LGPL-2.1", "GFDL-1.3", "MPL-1.1", "Artistic"),
     "licenses-evaluation": ("GPL-3", "Apache-2.0", "MPL-2.0", "CC0-1.0"),
 }
-SPLITS = ("calibration", "evaluation", *LICENSE_SPLITS)
+MIXED = "mixed-calibration"
+SPLITS = ("calibration", "evaluation", *LICENSE_SPLITS, MIXED)
+MIXED_BLOCK = 4096  # characters of one kind before the other's (~1,000 tokens)
 
 
 def check_source(split: str) -> None:
     """A built-in half's name, or a readable UTF-8 text file; OptionError says
     what is wrong (the CLI checks `--text` with this before any model loads)."""
-    if split in LICENSE_SPLITS:
-        _licenses(split)
+    if split in LICENSE_SPLITS or split == MIXED:
+        _licenses(split if split in LICENSE_SPLITS else "licenses-calibration")
     elif split not in SPLITS:
         _read(split)
 
@@ -64,6 +70,8 @@ def prose(split: str = "evaluation") -> str:
         return _licenses(split)
     if split not in SPLITS:
         return _read(split)
+    if split == MIXED:
+        return _mixed(_licenses("licenses-calibration"), _halves()[0])
     calibration, evaluation = _halves()
     return calibration if split == "calibration" else evaluation
 
@@ -74,6 +82,26 @@ def _licenses(split: str) -> str:
         used = set(_licence_paragraphs("licenses-evaluation"))
         paragraphs = [p for p in paragraphs if p not in used]
     return "\n".join(paragraphs)
+
+
+def _mixed(first: str, second: str) -> str:
+    """Blocks of MIXED_BLOCK characters, one of each text in turn, cut at the
+    paragraph ends that follow; as many characters of each as the shorter has."""
+    n = min(len(first), len(second))
+    blocks = [_blocks(first[:n]), _blocks(second[:n])]
+    out = [b for pair in zip(*blocks) for b in pair]
+    longer = blocks[0] if len(blocks[0]) > len(blocks[1]) else blocks[1]
+    return "\n".join(out + longer[len(out) // 2 :])
+
+
+def _blocks(text: str) -> list[str]:
+    out, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + MIXED_BLOCK)
+        end = len(text) if end < 0 else end
+        out.append(text[start:end].strip("\n"))
+        start = end + 1
+    return out
 
 
 def _licence_paragraphs(split: str) -> list[str]:

@@ -15,7 +15,9 @@ layers keep mlx-lm's cache and have no calibration arrays.
 Files also live in a per-user cache, `$VELOXPATCH_HOME` (default
 `~/.cache/veloxpatch`), one folder per model fingerprint and one fixed name per
 kind (`home_path`): `calibrate` without `out` writes there, and an option
-naming no file is looked up there (`find`) for the model being bound.
+naming no file is looked up there (`find`) for the model being bound, then
+among the files the package ships (`shipped/`: the embedded model's kvzap
+scorer, so auto can choose kvzap on a fresh install).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ SCORER_TARGETS = ("kvzip+", "kvzip")  # what a surrogate predicts (absent: kvzip
 RIDGE = 1e-3  # A2ATS: H is regularised by RIDGE x I (relative to trace D)
 HOME_ENV = "VELOXPATCH_HOME"
 SUFFIX = ".safetensors"
+# files the package ships, one folder per model as in the cache (package data)
+SHIPPED = Path(__file__).with_name("shipped")
 
 log = logging.getLogger("veloxpatch.calibration")
 
@@ -77,20 +81,31 @@ def home_for_writing(algo: str, fingerprint: dict) -> Path:
     return path
 
 
+def shipped_path(algo: str, fingerprint: dict) -> Path:
+    """`algo`'s file for the model of `fingerprint` as the package ships it
+    (the embedded model's kvzap scorer), looked up after the cache."""
+    return SHIPPED / model_key(fingerprint) / f"{algo}{SUFFIX}"
+
+
 def find(algo: str, dims, load):
-    """(path, `load(path)`) of `algo`'s file in the cache for the model of
-    `dims`, or None when there is none or it cannot be used (then one warning
-    says why: damaged, or made for another model or other options)."""
-    path = home_path(algo, dims.fingerprint)  # (split: every rank takes part)
-    if not path.is_file():
-        return None
-    try:
-        loaded = load(str(path))
-    except CalibrationError as e:
-        log.warning("%s: skipped %s from the calibration cache: %s", algo, path, e)
-        return None
-    log.info("%s: calibration file %s (found in %s)", algo, path, home())
-    return str(path), loaded
+    """(path, `load(path)`) of `algo`'s file for the model of `dims`: the
+    calibration cache's, else the one the package ships; None when there is
+    none or none can be used (then one warning says why: damaged, or made for
+    another model or other options)."""
+    for path in (
+        home_path(algo, dims.fingerprint),
+        shipped_path(algo, dims.fingerprint),
+    ):
+        if not path.is_file():  # (split: every rank takes part)
+            continue
+        try:
+            loaded = load(str(path))
+        except CalibrationError as e:
+            log.warning("%s: skipped %s: %s", algo, path, e)
+            continue
+        log.info("%s: calibration file %s", algo, path)
+        return str(path), loaded
+    return None
 
 
 def missing(algo: str, option: str, where) -> str:
@@ -104,7 +119,8 @@ def missing(algo: str, option: str, where) -> str:
 def none_for_any_model(algo: str) -> bool:
     """Whether the cache holds no `algo` file for any model (then one for this
     model cannot be there: said before a model is loaded)."""
-    return not any(home().glob(f"*/{algo}{SUFFIX}"))
+    pattern = f"*/{algo}{SUFFIX}"
+    return not any(home().glob(pattern)) and not any(SHIPPED.glob(pattern))
 
 
 def group_mean(filters: mx.array, kv_heads: int) -> mx.array:

@@ -47,7 +47,8 @@ DEFAULT_TOKENS = {"kvzap": 16384}
     type=TextSource(),
     default="calibration",
     show_default=True,
-    help="prose: calibration (pydoc), licenses-calibration, or a UTF-8 file",
+    help="prose: calibration (pydoc), licenses-calibration, mixed-calibration "
+    "(both in turn: what the shipped kvzap scorer read), or a UTF-8 file",
 )
 @click.option("--seed", type=Count(0), default=0, show_default=True)
 @click.option(
