@@ -75,7 +75,8 @@ def surrogate_scores(weights: dict, x: mx.array) -> mx.array:
 @dataclasses.dataclass
 class KVzapOptions(ModelWideOptions):
     """`scorer`: the calibration file (required to patch a model; omitted, the
-    one `veloxpatch calibrate --algo kvzap` wrote for this model is used).
+    one `veloxpatch calibrate --algo kvzap` wrote for this model is used, else
+    the one the package ships for it: the embedded SmolLM2's).
     `threshold`: drop rows scoring under it (None: keep the best `budget`).
     `budget`: mean rows per layer and KV head (default 256 without a
     threshold; with one, a cap if given). `window` (also always kept),

@@ -9,7 +9,10 @@ starting with" the previous chunk's last 8 tokens), attending to the cached
 context. Each repeat query's softmax is taken over the sinks, the context chunk
 it repeats and the repeat tokens before it; a pair's score is the maximum
 probability over the chunk's queries and its GQA group. The repeat rows are
-trimmed off after each chunk.
+trimmed off after each chunk. On the CPU that softmax runs in numpy (mlx's CPU
+exp is scalar), once per pair for the output and the score alike.
+With `kv_bits` the prompt is held as read (as the unpatched model holds it) until
+the kept rows are chosen, then they are quantized: the pass reads dense rows.
 
 The pass runs in every path that has the token ids: `patch.prefill` and
 `veloxpatch compress`, and, when the patch knows the tokenizer (`apply(...,
@@ -117,7 +120,8 @@ class KVzipCache(EvictingCache):
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "attention each pair gets while the model repeats the context; global"
     note = (
-        "reconstructs each prompt (about 2x its prefill) wherever the ids reach "
+        "reconstructs each prompt (1.4x an unpatched prefill in all at 2,000 "
+        "tokens, scripts/results/bench_compress.md) wherever the ids reach "
         "it: patch.prefill, veloxpatch compress, and mlx_lm.generate or the "
         "server when the patch knows the tokenizer; batched prompts are scored "
         "by their last 32 queries instead."
@@ -200,7 +204,9 @@ class KVzipCache(EvictingCache):
         return [(0, sink), (start, end), (T - L, T)]
 
     def _attend_repeat(self, q, keys, values, scale):
-        if self.options.plus:  # KVzip+ weighs each probability: the general path
+        # KVzip+ weighs each probability, and a GPU's exp is not the CPU's
+        # bottleneck: the general path (mlx)
+        if self.options.plus or mx.default_device() != mx.cpu:
             return self._attend_repeat_weighed(q, keys, values, scale)
         return self._attend_repeat_fast(q, keys, values, scale)
 
