@@ -38,7 +38,11 @@ from veloxpatch.prose import prose_tokens  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_markdown import mb, table, write_beside  # noqa: E402
 
-SCORER = "scripts/results/smollm2_kvzap_linear.safetensors"  # any: same cost
+# the scorer the package ships for the embedded model (what auto runs)
+SCORER = str(
+    Path(__file__).resolve().parents[1]
+    / "veloxpatch/calibration/shipped/llama-660c26220b179a47/kvzap.safetensors"
+)
 SHARE = 0.2
 STEP = 2048  # mlx-lm's prefill_step_size
 ARMS = {
@@ -113,10 +117,18 @@ def main():
                 arms[name] = arm_options(model, name, n)
             except OptionError as e:  # an older commit without it
                 print(f"{n:>6} {name:<18} skipped: {e}", flush=True)
+        # an arm that runs what an earlier one runs (auto's pick) shares its runs
+        same = {}
+        for name, run in arms.items():
+            first = next(k for k, r in arms.items() if r == run)
+            same[name] = first
         runs = {name: [] for name in ["unpatched", *arms]}
         for _ in range(args.repeats):  # interleaved, so drift hits every arm
             runs["unpatched"].append(measured(unpatched, model, ids))
             for name, (algo, options) in arms.items():
+                if same[name] != name:
+                    runs[name] = runs[same[name]]
+                    continue
                 runs[name].append(
                     measured(compressed, model, tokenizer, algo, options, ids)
                 )

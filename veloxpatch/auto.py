@@ -235,8 +235,8 @@ def best_answering(rows: list, path: str):
 def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
     """The contract's rule (docs/auto.md): among the candidates, those whose
     answers over the path's protocols are within one `spread` of the best's,
-    and of them the fastest read (ties to more answers). Returns (row or
-    None, the table fraction)."""
+    and of them the fastest read, to a tenth of an unpatched prefill (ties to
+    more answers). Returns (row or None, the table fraction)."""
     rows, at = candidates(table, fraction, kvzap, fits)
     best = best_answering(rows, path)
     if best is None:
@@ -244,9 +244,19 @@ def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
     close = [
         r for r in rows if total(best, path) - total(r, path) <= spread(best, path)
     ]
+
+    def speed(r):  # read times the line shows alike are alike
+        ratio = read_ratio(r, table)
+        return r["prefill_s_median"] if ratio is None else round(ratio, 1)
+
     pick = min(
         close,
-        key=lambda r: (r["prefill_s_median"], -score(r, path), -total(r, path)),
+        key=lambda r: (
+            speed(r),
+            -score(r, path),
+            -total(r, path),
+            r["prefill_s_median"],
+        ),
     )
     return pick, at
 
@@ -298,8 +308,9 @@ class Choice:
         if self.best is not None:
             text += (
                 f"; the most answers, {self.best['algo']} "
-                f"{stored(self.best, short=True)} {self.answers(self.best)}"
-                f"{_reads(self.best_read)}, are within the table's spread"
+                f"{stored(self.best, short=True)} {self.answers(self.best)} of "
+                f"{self.best['n']}{_reads(self.best_read)}, are not measurably more "
+                "(within the table's spread)"
             )
         text += (
             f"{under}; target {self.target} = {self.fraction:.1%} of the full KV of "
