@@ -106,7 +106,7 @@ def test_a_tiny_run_writes_the_contracts_table(tmp_path):
 def test_only_names_one_configuration_and_merging_keeps_residuals_apart():
     picked = bench_auto.configs([0.2], {"kvzip 4-bit r32"})
     assert [(c.algo, c.kv_bits, c.kv_residual) for c in picked] == [("kvzip", 4, 32)]
-    assert len(bench_auto.configs([0.2], {"kvzip"})) == 4  # 16, 4, 4 r32, 4 r0
+    assert len(bench_auto.configs([0.2], {"kvzip"})) == 3  # 16, 4 r32, 4 r0
     old = [{"algo": "kvzip", "kv_bits": 4, "fraction": 0.2, "n": 8}]
     new = [{"algo": "kvzip", "kv_bits": 4, "kv_residual": 32, "fraction": 0.2, "n": 8}]
     assert bench_auto.merged(old, new) == old + new

@@ -7,9 +7,10 @@ most whose decode-time bytes (`kv_budget.bound_bytes`) fit it.
 
 The choice (`rule`, docs/auto.md) reads the measured table `auto_table.json`
 (package data, rebuilt by `python scripts/bench_auto.py`): at the largest
-table fraction at or below the target's, the candidate with the best worst
-case over the protocols of the path, ties to the faster prefill; kvzap only
-where the calibration cache holds a scorer for this model.
+table fraction at or below the target's, of the candidates whose answers over
+the path's protocols are not measurably worse than the best's, the fastest
+read; kvzap only where a scorer for this model is found (the calibration
+cache's, or the one the package ships for the embedded model).
 
 When rows are fixed: where the prompt is known first (the CLI), auto chooses
 for it. `apply` chooses before any prompt (the algorithm depends only on the
