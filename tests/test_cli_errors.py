@@ -59,8 +59,8 @@ BEFORE_LOAD = [
     ),
     ("adapter-check", "Missing argument 'MODULE.CLASS'"),
     ("calibrate --force", "--force is for --out (the cache's file is replaced)"),
-    # kvzap with no scorer named, and none in the calibration cache (conftest
-    # gives every test an empty one)
+    # kvzap with no scorer named, none in the calibration cache (conftest gives
+    # every test an empty one) and none shipped (the test below empties it)
     *(
         (line, "has none; make it with `veloxpatch calibrate --algo kvzap`")
         for line in (
@@ -285,8 +285,11 @@ def check_one_line(res, message):
 
 @pytest.mark.parametrize("line,message", BEFORE_LOAD, ids=[c[0] for c in BEFORE_LOAD])
 def test_bad_input_is_one_line_before_the_model_loads(
-    line, message, workdir, monkeypatch
+    line, message, workdir, monkeypatch, tmp_path
 ):
+    from veloxpatch.calibration import format as calibration_format
+
+    monkeypatch.setattr(calibration_format, "SHIPPED", tmp_path / "shipped")
     before = snapshot(workdir)
     res, calls = invoke(shlex.split(line), monkeypatch)
     check_one_line(res, message)
