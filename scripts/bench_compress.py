@@ -105,6 +105,8 @@ def main():
     ap.add_argument("--out", default="scripts/results/bench_compress.json")
     args = ap.parse_args()
     names = [a.strip() for a in args.arms.split(",")]
+    if unknown := sorted(set(names) - set(ARMS)):
+        ap.error(f"--arms: unknown {', '.join(unknown)}; known: {', '.join(ARMS)}")
     info = run_info()
     model, tokenizer = veloxpatch.load()
     rows = []
@@ -118,17 +120,15 @@ def main():
             except OptionError as e:  # an older commit without it
                 print(f"{n:>6} {name:<18} skipped: {e}", flush=True)
         # an arm that runs what an earlier one runs (auto's pick) shares its runs
-        same = {}
+        runs, timed = {"unpatched": []}, []
         for name, run in arms.items():
             first = next(k for k, r in arms.items() if r == run)
-            same[name] = first
-        runs = {name: [] for name in ["unpatched", *arms]}
+            runs[name] = runs[first] if first != name else []
+            timed += [name] if first == name else []
         for _ in range(args.repeats):  # interleaved, so drift hits every arm
             runs["unpatched"].append(measured(unpatched, model, ids))
-            for name, (algo, options) in arms.items():
-                if same[name] != name:
-                    runs[name] = runs[same[name]]
-                    continue
+            for name in timed:
+                algo, options = arms[name]
                 runs[name].append(
                     measured(compressed, model, tokenizer, algo, options, ids)
                 )

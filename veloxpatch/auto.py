@@ -240,8 +240,12 @@ def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
     more answers). Returns (row or None, the table fraction)."""
     rows, at = candidates(table, fraction, kvzap, fits)
     best = best_answering(rows, path)
-    if best is None:
-        return None, at
+    return (None if best is None else fastest_close(rows, best, path, table)), at
+
+
+def fastest_close(rows: list, best: dict, path: str, table: dict) -> dict:
+    """Of `rows`, those within one `spread` of `best`'s answers, the fastest
+    read to a tenth of an unpatched prefill (ties to more answers)."""
     close = [
         r for r in rows if total(best, path) - total(r, path) <= spread(best, path)
     ]
@@ -259,7 +263,7 @@ def rule(table: dict, fraction: float, path: str, kvzap: bool, fits=None):
             r["prefill_s_median"],
         ),
     )
-    return pick, at
+    return pick
 
 
 # ---- the choice -------------------------------------------------------------------
@@ -496,12 +500,13 @@ def choose(
         def fits(r):
             return peak_of(r, table, n) <= peak_limit
 
-    row, at = rule(table, fraction, path, scorer is not None, fits)
+    rows, at = candidates(table, fraction, scorer is not None, fits)
+    best = best_answering(rows, path)
+    row = None if best is None else fastest_close(rows, best, path, table)
     if row is None and fits is not None:
         # every candidate's peak at that fraction: the least of them would fit
-        peaks = []
-        rule(table, fraction, path, scorer is not None, peaks.append)  # keeps none
-        least = min((peak_of(r, table, n) for r in peaks), default=0)
+        every, _ = candidates(table, fraction, scorer is not None)
+        least = min((peak_of(r, table, n) for r in every), default=0)
         raise OptionError(
             f"no configuration measured at {at:.0%} of full KV reads a {n}-token "
             f"prompt under max_peak_bytes={peak_limit:,}; the smallest that would "
@@ -512,9 +517,6 @@ def choose(
             f"{TABLE.name} has no usable configuration at {at:.0%}; rebuild it "
             f"with `{BUILD}`"
         )
-    best = best_answering(
-        candidates(table, fraction, scorer is not None, fits)[0], path
-    )
     opts = held_rows(model, row["algo"], target, n, _options_of(row, scorer))
     kvzap_rows = any(
         r["algo"] == "kvzap" and r["fraction"] == at and not r["anchor"]
