@@ -12,7 +12,7 @@ if ! .venv/bin/python -c "import sys; from veloxpatch import blas; sys.exit(0 if
 ################################################################################
 MSG
 fi
-# One pytest worker per core, up to 4: a test mostly runs on one core (the suite
-# takes ~17 min on one worker on a 2-core machine, ~13 on two).
+# One pytest worker per core, up to 4, each with one core's BLAS threads
+# (tests/conftest.py): ~5.5 min on a 2-core machine.
 workers=${VELOXPATCH_TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, os.cpu_count() or 1))")}
 exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal "$@"

