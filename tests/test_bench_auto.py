@@ -77,6 +77,7 @@ def test_cases_state_the_fact_once_and_ask_it_in_other_words():
     assert [c.body for c in again] == [c.body for c in cases]
 
 
+@pytest.mark.slow
 @smollm
 def test_a_tiny_run_writes_the_contracts_table(tmp_path):
     out, table = tmp_path / "bench_auto.json", tmp_path / "auto_table.json"

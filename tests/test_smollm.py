@@ -120,6 +120,7 @@ def test_generate_with_kvzip_answers_a_passkey_prompt():
     assert key in res.output.replace(" ", ""), res.output
 
 
+@pytest.mark.slow
 @smollm
 def test_bench_decode_patches_each_arm_as_its_caches_were_made(tmp_path, monkeypatch):
     # The script decodes every arm's replayed caches through one model: each arm
