@@ -350,20 +350,20 @@ def test_a_row_with_its_own_residual_carries_it_into_the_choice(monkeypatch, tmp
 def test_auto_arms_take_shares_and_sizes_and_a_share_is_autos_alone():
     from veloxpatch.eval.arms import expand
 
-    arms = expand(["auto", "kvzip", "mlx.quantized"], memory=["15MB"])
+    arms = expand(["auto", "kvzip", "mlx.quantized"], max_kv_bytes=["15MB"])
     assert [a.label for a in arms] == [
         "auto:max_kv_bytes=15MB",
         "kvzip:max_kv_bytes=15MB",
         "mlx.quantized",
     ]
-    arms = expand(["auto", "auto:max_kv_bytes=35%"], memory=["20%", "9MB"])
+    arms = expand(["auto", "auto:max_kv_bytes=35%"], max_kv_bytes=["20%", "9MB"])
     assert [a.label for a in arms] == [
         "auto:max_kv_bytes=20%",
         "auto:max_kv_bytes=9MB",
         "auto:max_kv_bytes=35%",
     ]
     with pytest.raises(OptionError, match="auto's target") as e:
-        expand(["auto", "kvzip"], memory=["20%"])
+        expand(["auto", "kvzip"], max_kv_bytes=["20%"])
     assert "\n" not in str(e.value)
 
 
@@ -371,9 +371,9 @@ def test_eval_refuses_a_bad_auto_arm_in_one_line_before_loading(fixture_table):
     runner = CliRunner()
     for args in (
         ["--arms", "auto"],  # no target
-        ["--arms", "auto:budget=64", "--memory", "20%"],
-        ["--arms", "auto", "--memory", "0%"],
-        ["--arms", "auto,snapkv", "--memory", "20%"],
+        ["--arms", "auto:budget=64", "--max-kv-bytes", "20%"],
+        ["--arms", "auto", "--max-kv-bytes", "0%"],
+        ["--arms", "auto,snapkv", "--max-kv-bytes", "20%"],
     ):
         result = runner.invoke(main, ["eval", "--model", "/nonexistent", *args])
         assert result.exit_code == 2, (args, result.output)

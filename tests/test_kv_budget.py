@@ -257,7 +257,7 @@ def test_memory_sizes_expand_every_arm_with_a_budget():
     arms = expand(
         ["snapkv:window=4", "h2o:kv_bits=4", "mlx.rotating", "mlx.quantized:kv_bits=4"]
         + ["kivi", "full", "tova:budget=64"],
-        memory=["6MB", "12MB"],
+        max_kv_bytes=["6MB", "12MB"],
     )
     assert [a.label for a in arms] == [
         "snapkv:max_kv_bytes=6MB,window=4",
@@ -273,7 +273,7 @@ def test_memory_sizes_expand_every_arm_with_a_budget():
     ]
     assert arms[0].family == arms[1].family == "snapkv:window=4"
     with pytest.raises(OptionError, match="not both"):
-        expand(["snapkv"], budgets=[64], memory=["6MB"])
+        expand(["snapkv"], budgets=[64], max_kv_bytes=["6MB"])
 
 
 def test_arms_at_equal_bytes_hold_at_most_those_bytes():
@@ -290,7 +290,7 @@ def test_arms_at_equal_bytes_hold_at_most_those_bytes():
     assert {c.max_size for c in rotating} == {rows}
     arms = expand(
         ["h2o", "snapkv:window=4", "tova:kv_bits=4,kv_residual=8", "mlx.rotating"],
-        memory=[limit],
+        max_kv_bytes=[limit],
     )
     ids = prompt_tokens(200).tolist()
     results = evaluate_continuation(model, arms, ids[:120], ids[120:], 32)

@@ -37,7 +37,7 @@ def test_scripts_are_eval_with_their_defaults(script, defaults):
     # the script's usage, then eval's options showing the script's defaults
     assert f"scripts/{script}" in done.stdout
     assert "Usage: veloxpatch eval" in done.stdout
-    for opt in ("--search", "--decode-lead-in", "--protocol", "--memory"):
+    for opt in ("--search", "--decode-lead-in", "--protocol", "--max-kv-bytes"):
         assert opt in done.stdout
     for text in defaults:
         assert text in done.stdout

@@ -21,26 +21,27 @@ from .checks import (
 )
 
 
-def _arms(text: str, budgets: list[int], memory: list[str] = ()):
-    """The arms `--arms` and `--budgets` (or `--memory`) name: at least one,
+def _arms(text: str, budgets: list[int], sizes: str = ""):
+    """The arms `--arms` and `--budgets` (or `--max-kv-bytes`) name: at least one,
     none twice, and every budget or size used by some arm."""
     from ..api import algorithm
     from ..auto import parse_target
     from ..eval.arms import AUTO, expand, is_peer, split_arms
 
+    limits = [s.strip() for s in sizes.split(",") if s.strip()]
     texts = split_arms(text)
     if not texts:
         raise UserError(f"--arms names no arm, got {text!r}")
-    if budgets and memory:
-        raise UserError("--budgets and --memory: give one (both set the budget)")
-    for size in memory:  # a share (20%) for auto arms, checked as they expand
-        parse_target(size, "--memory")
-    arms = expand(texts, budgets, memory)
+    if budgets and limits:
+        raise UserError("--budgets and --max-kv-bytes: give one (both set the budget)")
+    for size in limits:  # a share (20%) for auto arms, checked as they expand
+        parse_target(size, "--max-kv-bytes")
+    arms = expand(texts, budgets, limits)
     for arm in arms:  # an unknown name first, not as an arm no budget applies to
         if not is_peer(arm.algo) and arm.algo != AUTO:
             algorithm(arm.algo)
-    flag = "--budgets" if budgets else "--memory"
-    if (budgets or memory) and [a.label for a in arms] == [
+    flag = "--budgets" if budgets else "--max-kv-bytes"
+    if (budgets or limits) and [a.label for a in arms] == [
         a.label for a in expand(texts)
     ]:
         raise UserError(
@@ -144,6 +145,14 @@ common = [
         default="evaluation",
         help="prose: evaluation (pydoc), licenses-evaluation, or a UTF-8 file",
     ),
+    click.option(
+        "--max-kv-bytes",
+        default="",
+        metavar="SIZES",
+        help="KV bytes, e.g. 6MB,12MB,24MB (auto also takes shares of the full KV, "
+        "e.g. 20%): every arm with a budget (ours, mlx.rotating, auto) runs at each "
+        "as its max_kv_bytes; the others once",
+    ),
     click.option("--out", type=OutputFile(), required=True, help="results JSON"),
     click.option("--force", is_flag=True, help="overwrite --out (and --plot)"),
 ]
@@ -192,14 +201,6 @@ def _with(options):
     "prompt, or sent after the context was compressed on its own",
 )
 @click.option(
-    "--memory",
-    default="",
-    metavar="SIZES",
-    help="KV bytes, e.g. 6MB,12MB,24MB (auto also takes shares of the full KV, "
-    "e.g. 20%): every arm with a budget (ours, mlx.rotating, auto) runs at each, "
-    "as max_kv_bytes; the others once",
-)
-@click.option(
     "--plot",
     "plot_path",
     type=OutputFile(),
@@ -207,7 +208,9 @@ def _with(options):
     help="image (PNG, PDF, SVG...): quality against budget",
 )
 @user_errors
-def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_options):
+def eval_(
+    model, arms, budgets, max_kv_bytes, out, force, tasks, plot_path, **task_options
+):
     """Passkey accuracy, perplexity and agreement with full, per arm."""
     from ..eval import harness
     from ..eval.arms import Arm
@@ -224,8 +227,7 @@ def eval_(model, arms, budgets, out, force, tasks, memory, plot_path, **task_opt
         dict.fromkeys(unread),
         f"not read by --tasks {tasks}",
     )
-    sizes = [s.strip() for s in memory.split(",") if s.strip()]
-    arm_list = _arms(arms, budgets, sizes)
+    arm_list = _arms(arms, budgets, max_kv_bytes)
     if not any(a.algo == "full" and not a.options for a in arm_list):
         arm_list.insert(0, Arm("full"))  # the reference every table needs
     arm_list, skipped = _check_arms(arm_list)
@@ -266,6 +268,7 @@ def bench(
     budgets,
     prefill_step_size,
     text,
+    max_kv_bytes,
     out,
     force,
     contexts,
@@ -280,7 +283,7 @@ def bench(
     from ..eval.runinfo import run_info, write_results
     from ..loading import models
 
-    arm_list, skipped = _check_arms(_arms(arms, budgets))
+    arm_list, skipped = _check_arms(_arms(arms, budgets, max_kv_bytes))
     refuse_existing(force, out=out)
     for s in skipped:
         click.echo(f"skipped {s['arm']}: {s['reason']}", err=True)

@@ -104,33 +104,35 @@ def parse_arm(text: str) -> Arm:
     return Arm(name.strip(), parse_pairs(pairs))
 
 
-def expand(arm_texts, budgets=(), memory=()) -> list[Arm]:
+def expand(arm_texts, budgets=(), max_kv_bytes=()) -> list[Arm]:
     """Parse arms; arms that take a budget and name none get each of `budgets`,
-    or each of the sizes in `memory` as `max_kv_bytes` (ours, mlx.rotating and
+    or each of the sizes in `max_kv_bytes` as theirs (ours, mlx.rotating and
     auto, which alone takes shares like "20%"; the others, mlx.quantized
     included, run once, at their own size)."""
-    if budgets and memory:
-        raise OptionError("give budgets or memory sizes, not both")
-    shares = [m for m in memory if "%" in str(m)]  # auto's rows follow the prompt
+    if budgets and max_kv_bytes:
+        raise OptionError("give budgets or max_kv_bytes sizes, not both")
+    shares = [m for m in max_kv_bytes if "%" in str(m)]  # auto's rows follow the prompt
     arms = []
     for text in arm_texts:
         arm = parse_arm(text)
         priced = "budget" in arm.options or "max_kv_bytes" in arm.options
         if budgets and takes_budget(arm.algo) and not priced:
             arms += [Arm(arm.algo, {**arm.options, "budget": b}) for b in budgets]
-        elif memory and takes_bytes(arm.algo) and not priced:
+        elif max_kv_bytes and takes_bytes(arm.algo) and not priced:
             if shares and arm.algo != AUTO:
                 raise OptionError(
                     f"a share of the full KV ({shares[0]}) is auto's target; give "
                     f"{arm.algo} a size like 24MB ({arm.algo}:max_kv_bytes=24MB)"
                 )
-            arms += [Arm(arm.algo, {**arm.options, "max_kv_bytes": m}) for m in memory]
+            arms += [
+                Arm(arm.algo, {**arm.options, "max_kv_bytes": m}) for m in max_kv_bytes
+            ]
         else:
             arms.append(arm)
     return arms
 
 
 def takes_bytes(algo: str) -> bool:
-    """Whether `--memory` expands this arm: ours with a budget, mlx.rotating,
+    """Whether `--max-kv-bytes` expands this arm: ours with a budget, mlx.rotating,
     auto."""
     return algo in ("mlx.rotating", AUTO) or (not is_peer(algo) and takes_budget(algo))
