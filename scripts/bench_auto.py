@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "veloxpatch" / "auto_table.json"
 RESULTS = ROOT / "scripts" / "results" / "bench_auto.json"
 # the scorer the package ships for the embedded model (what auto runs)
-SCORER = "veloxpatch/calibration/shipped/llama-660c26220b179a47/kvzap.safetensors"
+SCORER = "veloxpatch/caches/shipped/llama-660c26220b179a47/kvzap.safetensors"
 MODEL = "SmolLM2-135M-Instruct, embedded, float32"
 TEXTS = {"evaluation": "evaluation", "licenses": "licenses-evaluation"}
 FRACTIONS = (0.1, 0.2)  # a larger target reads the 20% rows

@@ -41,7 +41,7 @@ from results_markdown import mb, table, write_beside  # noqa: E402
 # the scorer the package ships for the embedded model (what auto runs)
 SCORER = str(
     Path(__file__).resolve().parents[1]
-    / "veloxpatch/calibration/shipped/llama-660c26220b179a47/kvzap.safetensors"
+    / "veloxpatch/caches/shipped/llama-660c26220b179a47/kvzap.safetensors"
 )
 SHARE = 0.2
 STEP = 2048  # mlx-lm's prefill_step_size

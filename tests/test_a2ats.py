@@ -8,12 +8,12 @@ from tiny import dims_of, prompt_tokens, tiny_model
 
 import veloxpatch
 from veloxpatch.caches.a2ats import rope_at
+from veloxpatch.caches.calibration_files import load_codebook
 from veloxpatch.calibration.a2ats import (
     calibrate_codebook,
     save_codebook,
     second_moment,
 )
-from veloxpatch.calibration.format import load_codebook
 from veloxpatch.errors import CalibrationError, OptionError, UnsupportedModelError
 
 

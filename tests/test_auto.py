@@ -18,7 +18,7 @@ import veloxpatch
 from model_adapters.base import fingerprint
 from veloxpatch import auto
 from veloxpatch.api import patch_of
-from veloxpatch.calibration.format import home_path
+from veloxpatch.caches.calibration_files import home_path
 from veloxpatch.cli import main
 from veloxpatch.errors import OptionError
 

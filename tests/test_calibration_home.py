@@ -14,8 +14,8 @@ from tiny import prompt_tokens, tiny_model, tiny_scorer
 
 import veloxpatch
 from model_adapters.base import fingerprint
+from veloxpatch.caches.calibration_files import home, home_path
 from veloxpatch.caches.io import load_cache, save_cache
-from veloxpatch.calibration.format import home, home_path
 from veloxpatch.calibration.run import Progress
 from veloxpatch.cli import main
 from veloxpatch.errors import OptionError
@@ -195,9 +195,9 @@ def test_cli_calibrate_without_out_writes_into_the_cache(monkeypatch):
 
 
 def test_a_shipped_file_is_found_after_the_cache(monkeypatch, tmp_path):
-    """The package's own files (`calibration/shipped/`, the embedded model's
+    """The package's own files (`caches/shipped/`, the embedded model's
     kvzap scorer) are found when the cache has none; the cache's wins."""
-    from veloxpatch.calibration import format as calibration_format
+    from veloxpatch.caches import calibration_files as calibration_format
 
     model = tiny_model("llama")
     monkeypatch.setattr(calibration_format, "SHIPPED", tmp_path)
@@ -217,4 +217,4 @@ def test_a_shipped_file_is_found_after_the_cache(monkeypatch, tmp_path):
 def test_the_embedded_model_finds_its_shipped_kvzap_scorer():
     model, _ = models.load()
     with veloxpatch.patched(model, "kvzap", budget=64) as patch:
-        assert "/calibration/shipped/" in patch.options.scorer
+        assert "/caches/shipped/" in patch.options.scorer

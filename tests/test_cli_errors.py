@@ -287,7 +287,7 @@ def check_one_line(res, message):
 def test_bad_input_is_one_line_before_the_model_loads(
     line, message, workdir, monkeypatch, tmp_path
 ):
-    from veloxpatch.calibration import format as calibration_format
+    from veloxpatch.caches import calibration_files as calibration_format
 
     monkeypatch.setattr(calibration_format, "SHIPPED", tmp_path / "shipped")
     before = snapshot(workdir)

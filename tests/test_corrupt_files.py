@@ -12,8 +12,8 @@ import pytest
 from tiny import dims_of, prompt_tokens, tiny_model
 
 import veloxpatch
+from veloxpatch.caches.calibration_files import load_codebook, load_filters
 from veloxpatch.calibration.a2ats import calibrate_codebook, save_codebook
-from veloxpatch.calibration.format import load_codebook, load_filters
 from veloxpatch.calibration.qfilters import (
     capture_queries,
     query_filters,

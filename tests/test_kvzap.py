@@ -12,8 +12,8 @@ from oracle import numpy_tail_probs
 from tiny import VOCAB, dims_of, prompt_tokens, tiny_model, tiny_scorer
 
 import veloxpatch
+from veloxpatch.caches import calibration_files as format
 from veloxpatch.caches.kvzap import hidden_size, surrogate_scores
-from veloxpatch.calibration import format
 from veloxpatch.calibration.kvzap import (
     calibrate_scorer,
     fit_mlp,

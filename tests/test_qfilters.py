@@ -12,8 +12,8 @@ from tiny import dims_of, prompt_tokens, tiny_model
 
 import veloxpatch
 from model_adapters.base import fingerprint
+from veloxpatch.caches.calibration_files import load_filters
 from veloxpatch.caches.qfilters import group_mean
-from veloxpatch.calibration.format import load_filters
 from veloxpatch.calibration.qfilters import (
     capture_queries,
     query_filters,

@@ -73,7 +73,7 @@ def test_qfilters_file_fits_the_model_quantized_or_not(loaded, tmp_path):
     from tiny import dims_of
 
     from model_adapters.base import fingerprint
-    from veloxpatch.calibration.format import load_filters
+    from veloxpatch.caches.calibration_files import load_filters
     from veloxpatch.calibration.qfilters import save_filters
 
     model, _ = loaded

@@ -6,8 +6,8 @@ from conftest import smollm
 from helpers import greedy, max_abs
 
 import veloxpatch
+from veloxpatch.caches.calibration_files import with_norms
 from veloxpatch.calibration.a2ats import capture, layer_codebook
-from veloxpatch.calibration.format import with_norms
 from veloxpatch.eval.codebook_quality import capture_segment, codebook_quality
 from veloxpatch.prose import prose_tokens
 

@@ -355,7 +355,7 @@ def scorer_for(model) -> str | None:
     made for another model lives under another fingerprint and is not seen)."""
     from model_adapters import adapter_for
 
-    from .calibration.format import find, load_scorer
+    from .caches.calibration_files import find, load_scorer
 
     dims = adapter_for(model).dims(model)
     found = find("kvzap", dims, lambda p: load_scorer(p, dims))

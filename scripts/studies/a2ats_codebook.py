@@ -27,12 +27,12 @@ from veloxpatch import blas
 blas.preload()
 
 import veloxpatch  # noqa: E402
+from veloxpatch.caches.calibration_files import with_norms  # noqa: E402
 from veloxpatch.calibration.a2ats import (  # noqa: E402
     capture,
     layer_codebook,
     save_codebook,
 )
-from veloxpatch.calibration.format import with_norms  # noqa: E402
 from veloxpatch.eval.codebook_quality import capture_segment, codebook_quality  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.prose import prose_tokens  # noqa: E402

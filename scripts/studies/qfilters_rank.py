@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 import veloxpatch  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
-from veloxpatch.calibration.format import load_filters  # noqa: E402
+from veloxpatch.caches.calibration_files import load_filters  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.probe import run_probe  # noqa: E402
 from veloxpatch.prose import prose_length, prose_tokens  # noqa: E402

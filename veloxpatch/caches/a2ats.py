@@ -25,9 +25,9 @@ import math
 
 import mlx.core as mx
 
-from ..calibration.format import find, load_codebook
 from ..errors import OptionError, UnsupportedModelError
 from .base import VeloxCache
+from .calibration_files import find, load_codebook
 from .options import CacheOptions, check_int, check_number, check_path, option
 
 

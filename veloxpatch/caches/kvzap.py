@@ -42,16 +42,16 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..calibration.format import (
+from ..errors import CacheFileError, OptionError, PatchStateError
+from .attention_math import newest_queries
+from .base import PAD_POSITION
+from .calibration_files import (
     SCORER_TARGETS,
     find,
     home_path,
     load_scorer,
     missing,
 )
-from ..errors import CacheFileError, OptionError, PatchStateError
-from .attention_math import newest_queries
-from .base import PAD_POSITION
 from .eviction import PLACEHOLDER_BUDGET, EvictingCache
 from .kvzip.choice import ModelWideOptions, compress_together
 from .kvzip.plus import output_gram, plus_scores

@@ -19,8 +19,8 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..calibration.format import find, group_mean, load_filters
 from ..errors import OptionError
+from .calibration_files import find, group_mean, load_filters
 from .eviction import EvictingCache, EvictionOptions
 from .options import check_int, check_path, option
 

@@ -20,9 +20,9 @@ import numpy as np
 from model_adapters.base import fingerprint
 
 from ..caches.a2ats import rope_to
+from ..caches.calibration_files import CODEBOOK_FORMAT, RIDGE, with_norms, write
 from ..errors import CalibrationError
 from ..probe import rows_at, run_probe, sample_positions
-from .format import CODEBOOK_FORMAT, RIDGE, with_norms, write
 
 MAX_KEYS = 16384  # keys captured per layer: a codebook has at most this many codes
 

@@ -26,8 +26,8 @@ import numpy as np
 
 from model_adapters.base import fingerprint
 
+from ..caches.calibration_files import KVZAP_FORMAT, SCORER_TARGETS, write
 from ..errors import CalibrationError
-from .format import KVZAP_FORMAT, SCORER_TARGETS, write
 
 SEGMENT = 1024  # tokens per calibration text
 PER_SEGMENT = 512  # positions sampled per segment

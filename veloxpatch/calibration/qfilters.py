@@ -13,8 +13,8 @@ import mlx.core as mx
 
 from model_adapters.base import fingerprint
 
+from ..caches.calibration_files import QFILTERS_FORMAT, group_mean, write
 from ..probe import rows_at, run_probe, sample_positions
-from .format import QFILTERS_FORMAT, group_mean, write
 
 MAX_VECTORS = 3000  # queries kept per layer and query head
 

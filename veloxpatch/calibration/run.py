@@ -100,7 +100,7 @@ def calibrate(
     if out is None:
         from model_adapters.base import fingerprint
 
-        from .format import home_for_writing
+        from ..caches.calibration_files import home_for_writing
 
         out = home_for_writing(algo, fingerprint(model))
     info = {"tokens": tokens, "text": str(text), "seed": seed}

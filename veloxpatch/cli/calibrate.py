@@ -130,7 +130,7 @@ def calibrate(
     if out is None:  # a re-run for this model replaces its file
         from model_adapters.base import fingerprint
 
-        from ..calibration.format import home_for_writing
+        from ..caches.calibration_files import home_for_writing
 
         out = home_for_writing(algo, fingerprint(loaded))
     progress = Progress(algo, tokens, len(loaded.layers))

@@ -293,7 +293,7 @@ def refuse_missing_calibration(algo: str, options: dict) -> None:
     option = NEEDS_FILE.get(algo)
     if option is None or options.get(option) is not None:
         return
-    from ..calibration.format import home, missing, none_for_any_model
+    from ..caches.calibration_files import home, missing, none_for_any_model
 
     if none_for_any_model(algo):
         raise UserError(missing(algo, option, home()))
