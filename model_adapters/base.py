@@ -19,6 +19,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from veloxpatch.errors import UnsupportedModelError
+from veloxpatch.mlx_lm_internals import source_sha256
 from veloxpatch.sharding import LOCAL, Shards
 
 from .sharding import model_shards
@@ -57,7 +59,6 @@ class AttentionTarget:
 
 
 def call_source_sha256(cls: type) -> str:
-    from veloxpatch.mlx_lm_internals import source_sha256
 
     return source_sha256(cls.__call__)
 
@@ -140,8 +141,6 @@ class Adapter:
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
             if type(attn) is not cls:
-                from veloxpatch.errors import UnsupportedModelError
-
                 raise UnsupportedModelError(
                     f"layer {i} attention is {type(attn).__module__}."
                     f"{type(attn).__name__}, expected {target.key}"

@@ -7,6 +7,7 @@ by it (a position-dependent query scale), so the adapter hands it to the cache.
 """
 
 from veloxpatch.errors import UnsupportedModelError
+from veloxpatch.mlx_lm_internals import llama_4_attn_scale
 
 from . import llama
 from .base import Adapter, AttentionTarget, project_plain
@@ -15,8 +16,6 @@ from .base import Adapter, AttentionTarget, project_plain
 def ministral3_query_scale(attn, L: int, offset: int, call: dict):
     scale = call.get("attn_scale")
     if scale is None:  # mlx-lm computes it itself when the caller passes none
-        from veloxpatch.mlx_lm_internals import llama_4_attn_scale
-
         scale = llama_4_attn_scale(
             L, offset, attn.scaling_beta, attn.original_max_position_embeddings
         )

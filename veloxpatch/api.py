@@ -15,12 +15,18 @@ import weakref
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import mlx_flags, mlx_lm_internals, patcher
+from model_adapters import adapter_for
+
+from . import auto, mlx_flags, mlx_lm_internals, patcher
+from .auto import held_rows
 from .caches import VeloxCache
 from .caches.io import register_with_mlx_lm
+from .caches.kv_budget import kv_dtype_size, parse_size
 from .caches.options import files_of
 from .caches.phase import PromptPhase
+from .context import prefill
 from .errors import OptionError, PatchStateError, UnsupportedModelError
+from .loading.models import tokenizer_of
 from .registry import algorithm, algos, make_options  # noqa: F401 (api's names)
 
 _MISSING = object()
@@ -113,7 +119,6 @@ class Patch:
     def options_for_tokens(self, n_tokens):
         """This patch's options with the rows its share target buys for a
         prompt of `n_tokens` (algo="auto" with max_kv_bytes="20%")."""
-        from .auto import held_rows
 
         if n_tokens is None:
             raise OptionError(
@@ -146,7 +151,6 @@ class Patch:
         the one applied (`kv_budget.py` prices it), bound to the model, for
         `make_cache(options=...)`; OptionError where the algorithm has no
         budget or the size buys too few rows."""
-        from .caches.kv_budget import parse_size
 
         limit = parse_size(max_kv_bytes)
         if "max_kv_bytes" not in self.cache_cls.Options.option_names():
@@ -185,7 +189,6 @@ class Patch:
     def prefill(self, tokens, *, tokenizer=None, chunk: int = 2048, context_start=0):
         """The compressed prompt cache of a context, with no question: see
         `veloxpatch.context.prefill`."""
-        from .context import prefill
 
         return prefill(
             self, tokens, tokenizer=tokenizer, chunk=chunk, context_start=context_start
@@ -203,10 +206,6 @@ class Patch:
         check = getattr(options or self.options, "check_context", None)
         has_tokenizer = self.tokenizer is not None or tokenizer is not None
         if check is not None and has_tokenizer:
-            from model_adapters import adapter_for
-
-            from .caches.kv_budget import kv_dtype_size
-
             dims = adapter_for(self.model).dims(self.model)
             check(dims, kv_dtype_size(self.model), n_tokens, new)
 
@@ -307,16 +306,11 @@ def apply(
     `max_peak_bytes`): the best measured configuration (`veloxpatch.auto`),
     logged in one line and kept as `patch.auto`; `auto_path`: the protocols
     whose worst case counts (`auto.PATHS`; "apply": all three)."""
-    from model_adapters import adapter_for
-
-    from .loading.models import tokenizer_of
 
     choice = None
     if algo != "auto" and auto_path != "apply":
         raise OptionError(f"auto_path is algo='auto''s; {algo!r} takes none")
     if algo == "auto":
-        from . import auto
-
         choice = auto.resolve(model, options, auto_path)
         algo, options = choice.algo, choice.options
     mlx_lm_internals.check()  # once per process: what we rely on is unchanged

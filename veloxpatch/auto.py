@@ -29,16 +29,19 @@ import math
 import re
 from pathlib import Path
 
+from model_adapters import adapter_for
+
+from .caches.calibration_files import find, load_scorer
+from .caches.eviction import PLACEHOLDER_BUDGET
+from .caches.kv_budget import budget_for_bytes, kv_dtype_size, parse_size
 from .errors import OptionError
+from .registry import algorithm, make_options
 
 
 def full_bytes(model, n_tokens: int) -> int:
     """Bytes mlx-lm's own cache holds for `n_tokens` tokens on `model` (keys
     and values in the model's dtype, every layer veloxpatch would patch,
     without the allocation step's padding)."""
-    from model_adapters import adapter_for
-
-    from .caches.kv_budget import kv_dtype_size
 
     dims = adapter_for(model).dims(model)
     size = kv_dtype_size(model)
@@ -52,11 +55,6 @@ def held_options(model, algo: str, target_bytes: int, options: dict | None = Non
     `max_kv_bytes`'s bound on what reading the prompt holds (kvzip's
     reconstruction, kvzap's prompt chunk). Raises OptionError where the target
     buys too few rows."""
-    from model_adapters import adapter_for
-
-    from .caches.eviction import PLACEHOLDER_BUDGET
-    from .caches.kv_budget import budget_for_bytes, kv_dtype_size
-    from .registry import algorithm, make_options
 
     given = {k: v for k, v in (options or {}).items() if k != "max_kv_bytes"}
     cls = algorithm(algo)
@@ -100,7 +98,6 @@ _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 def parse_target(value, name: str = "max_kv_bytes") -> Target:
     """A target from "20%" (of each prompt's full KV), "24MB" or an int of
     bytes; anything else is one OptionError line."""
-    from .caches.kv_budget import parse_size
 
     if isinstance(value, Target):
         return value
@@ -353,9 +350,6 @@ def _reads(ratio: float | None) -> str:
 def scorer_for(model) -> str | None:
     """kvzap's scorer for this model in the calibration cache, or None (one
     made for another model lives under another fingerprint and is not seen)."""
-    from model_adapters import adapter_for
-
-    from .caches.calibration_files import find, load_scorer
 
     dims = adapter_for(model).dims(model)
     found = find("kvzap", dims, lambda p: load_scorer(p, dims))
@@ -446,7 +440,6 @@ def held_rows(model, algo: str, target: Target, n_tokens: int, options: dict):
 def check_options(options: dict) -> None:
     """The options `algo="auto"` takes, checked without a model: `max_kv_bytes`
     (the target) and `max_peak_bytes`, nothing else."""
-    from .caches.kv_budget import parse_size
 
     other = sorted(set(options) - {"max_kv_bytes", "max_peak_bytes"})
     if other:
@@ -479,7 +472,6 @@ def choose(
 ) -> Choice:
     """Auto's choice for `target` on `path` for a prompt of `n_tokens` (None:
     the table's context length): the rule's row, its rows at the real target."""
-    from .caches.kv_budget import parse_size
 
     target = parse_target(target)
     peak_limit = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import KVCache
 
+from .caches import VeloxCache
+
 
 def kv_bytes(caches) -> int:
     """Bytes really held by the caches (veloxpatch or mlx-lm), padding included."""
@@ -29,7 +31,6 @@ def full_kv_bytes(caches) -> int:
     `kv_bytes` counts: a KVCache of the same dtype on every veloxpatch layer,
     allocated rows included; layers that keep an mlx-lm cache (sliding-window
     layers) count as they are, as they would be unpatched."""
-    from .caches import VeloxCache
 
     total = 0
     for c in caches:

@@ -3,6 +3,8 @@ place options are checked (apply, `auto`, the CLI, eval and the benchmarks)."""
 
 from __future__ import annotations
 
+from model_adapters import adapter_for
+
 from .caches import ALGORITHMS, VeloxCache
 from .errors import OptionError
 
@@ -31,7 +33,5 @@ def make_options(algo, options: dict | None = None, model=None):
     cls = algorithm(algo)
     opts = cls.Options.create(cls.name, dict(options or {}))
     if model is not None:
-        from model_adapters import adapter_for
-
         opts = opts.bind(model, adapter_for(model).dims(model))
     return cls, opts

@@ -23,6 +23,11 @@ from mlx.utils import tree_flatten
 from ..errors import KV_BITS_ERROR, PatchStateError, UnsupportedCacheOperation
 from ..sharding import LOCAL
 from .attention_math import fused_attention
+from .batch import (
+    deep_copy,
+    merge,  # a clear error where `batchable` is False
+    sequence_batch,
+)
 from .options import CacheOptions
 from .phase import PromptPhase
 from .storage import PAD_POSITION, RowStorage
@@ -379,7 +384,6 @@ class VeloxCache(RowStorage):
         return new
 
     def __deepcopy__(self, memo):
-        from .batch import deep_copy
 
         return deep_copy(self, memo)
 
@@ -506,7 +510,6 @@ class VeloxCache(RowStorage):
     @classmethod
     def merge(cls, caches):
         """mlx-lm's batch cache of one layer (BatchGenerator, the server)."""
-        from .batch import merge  # a clear error where `batchable` is False
 
         return merge(cls, caches)
 
@@ -514,6 +517,5 @@ class VeloxCache(RowStorage):
     def batch_of(cls, caches):
         """The batch cache of checked per-sequence caches (default: each keeps
         its own inside the batch; `full` uses mlx-lm's layout)."""
-        from .batch import sequence_batch
 
         return sequence_batch(caches)

@@ -33,6 +33,8 @@ import mlx.core as mx
 
 from ..errors import OptionError
 from .base import PAD_POSITION, VeloxCache
+from .kv_bits import QuantizedKV, quantized_variant
+from .kv_budget import budget_for_bytes, kv_dtype_size, parse_size
 from .kv_quant import FIELDS, KVQuant, check_bindable, take_quant, upgrade_saved
 from .options import CacheOptions, check_choice, check_int, check_number, option
 from .storage import padded_to
@@ -177,8 +179,6 @@ class EvictionOptions(CacheOptions):
                 f"got head_budget={self.head_budget!r}"
             )
         if self.max_kv_bytes is not None:
-            from .kv_budget import parse_size
-
             parse_size(self.max_kv_bytes)
         if self.budget <= self.protected():
             raise OptionError(
@@ -195,7 +195,6 @@ class EvictionOptions(CacheOptions):
 
     def _priced(self, model, dims):
         """These options with the budget `max_kv_bytes` buys on this model."""
-        from .kv_budget import parse_size
 
         algo, given = getattr(self, "given", ("options", self.as_dict()))
         limit = parse_size(self.max_kv_bytes)
@@ -215,7 +214,6 @@ class EvictionOptions(CacheOptions):
 def _bought(cls, algo, given: dict, model, dims, limit: int):
     """(the budget `limit` bytes buy with options `given`, those options with
     it or the OptionError they raise)."""
-    from .kv_budget import budget_for_bytes, kv_dtype_size
 
     try:
         priced = cls.create(algo, given)
@@ -305,7 +303,6 @@ class EvictingCache(VeloxCache):
 
     @classmethod
     def for_options(cls, options):
-        from .kv_bits import QuantizedKV, quantized_variant
 
         if options.quant is None or issubclass(cls, QuantizedKV):
             return cls  # (the variant itself, e.g. rebuilt from mlx-lm's file)

@@ -23,7 +23,10 @@ from mlx_lm.models import cache as mlx_cache
 from ..checked_io import load_checked, save_checked, verify
 from ..errors import CacheFileError, VeloxpatchError
 from ..mlx_lm_internals import make_loadable
+from . import ALGORITHMS
 from .base import VeloxCache
+from .eviction import EvictingCache
+from .kv_bits import quantized_variant
 
 FORMAT = 2  # 2: checksummed, written at the exact path
 INDEX_KEY = "veloxpatch"
@@ -35,9 +38,6 @@ def register_with_mlx_lm() -> None:
     names up in `mlx_lm.models.cache`'s globals (mlx_lm_internals.make_loadable).
     Adds names, replaces none; run by `apply` and `load_cache` (importing
     veloxpatch changes nothing)."""
-    from . import ALGORITHMS
-    from .eviction import EvictingCache
-    from .kv_bits import quantized_variant
 
     for cls in ALGORITHMS.values():
         variants = [cls]
@@ -123,7 +123,6 @@ def _index(path, meta) -> tuple[list, dict]:
 
 
 def _cache_class(path, i, entry):
-    from . import ALGORITHMS
 
     if entry["kind"] == "veloxpatch":
         cls, name, meta_type = ALGORITHMS.get(entry.get("algo")), "algorithm", dict

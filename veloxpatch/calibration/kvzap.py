@@ -26,8 +26,12 @@ import numpy as np
 
 from model_adapters.base import fingerprint
 
+from .. import api
 from ..caches.calibration_files import KVZAP_FORMAT, SCORER_TARGETS, write
+from ..caches.kvzap import surrogate_scores
+from ..caches.kvzip import KVzipCache
 from ..errors import CalibrationError
+from ..probe import rows_at
 
 SEGMENT = 1024  # tokens per calibration text
 PER_SEGMENT = 512  # positions sampled per segment
@@ -70,9 +74,6 @@ def collect(
     """Per segment (X, Y): per layer X [n, hidden] hidden states entering
     attention and Y [n, Hkv] log `target` scores (KVzip+ or KVzip) at n
     sampled positions (None for sliding-window layers)."""
-    from .. import api
-    from ..caches.kvzip import KVzipCache
-    from ..probe import rows_at
 
     if api.patch_of(model) is not None:
         raise CalibrationError("kvzap calibration patches the model itself; restore it")
@@ -162,8 +163,6 @@ def fit_mlp(
     `weight_decay`: AdamW's decoupled decay (0: Adam)."""
     import mlx.optimizers as optim
 
-    from ..caches.kvzap import surrogate_scores
-
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     mean = X.mean(0) if standardize else np.zeros(X.shape[1])
@@ -200,7 +199,6 @@ def fit_mlp(
 
 def predict(weights: dict, X: np.ndarray) -> np.ndarray:
     """[n, H] the surrogate's scores of X [n, D] (the cache's own forward)."""
-    from ..caches.kvzap import surrogate_scores
 
     w = {k: mx.array(v, mx.float32) for k, v in weights.items()}
     return np.array(surrogate_scores(w, mx.array(X, mx.float32)[None])[0].T)

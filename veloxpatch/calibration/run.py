@@ -8,7 +8,14 @@ from __future__ import annotations
 import sys
 import time
 
+from model_adapters.base import fingerprint
+
+from ..caches.calibration_files import home_for_writing
 from ..errors import CalibrationError
+from ..prose import prose_tokens
+from .a2ats import calibrate_codebook, save_codebook
+from .kvzap import calibrate_scorer, save_scorer
+from .qfilters import calibrate_filters, save_filters
 
 ALGOS = ("qfilters", "a2ats", "kvzap")
 
@@ -89,7 +96,6 @@ def calibrate(
     their held-out report. Progress and the time left go to stderr
     (`progress`) unless `tick` (tokens read) or `fit_tick` (layers fitted)
     take them."""
-    from ..prose import prose_tokens
 
     check_algo(algo)
     ids = prose_tokens(tokenizer, tokens, text)
@@ -98,16 +104,10 @@ def calibrate(
         shown = Progress(algo, len(ids), len(model.layers))
         tick, fit_tick = shown.read, shown.fitted
     if out is None:
-        from model_adapters.base import fingerprint
-
-        from ..caches.calibration_files import home_for_writing
-
         out = home_for_writing(algo, fingerprint(model))
     info = {"tokens": tokens, "text": str(text), "seed": seed}
     ticks = {"tick": tick, "fit_tick": fit_tick}
     if algo == "kvzap":
-        from .kvzap import calibrate_scorer, save_scorer
-
         result = calibrate_scorer(
             model, tokenizer, ids, kind, seed=seed, target=target, **ticks
         )
@@ -115,8 +115,6 @@ def calibrate(
             layers, report = result
             save_scorer(out, layers, model, kind, info | report, target=target)
     elif algo == "a2ats":
-        from .a2ats import calibrate_codebook, save_codebook
-
         result = calibrate_codebook(
             model,
             ids,
@@ -131,8 +129,6 @@ def calibrate(
             info.update(size=codebook_size, vectors=int(n))
             save_codebook(out, books, model, far_position, info)
     else:
-        from .qfilters import calibrate_filters, save_filters
-
         result = calibrate_filters(model, ids, seed=seed, **ticks)
         if out is not False:
             per_head, queries = result

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..api import make_options
+from ..auto import resolve
+from ..caches import ALGORITHMS  # here: importing arms loads no mlx
 from ..errors import OptionError
 from ..option_text import parse_pairs
 
@@ -42,7 +45,6 @@ def takes_budget(algo: str) -> bool:
     """Whether `--budgets` expands this arm."""
     if is_peer(algo):
         return algo == "mlx.rotating" or algo.startswith("veloxquant.")
-    from ..caches import ALGORITHMS  # here: importing arms loads no mlx
 
     cls = ALGORITHMS.get(algo)
     return cls is not None and "budget" in cls.Options.__dataclass_fields__
@@ -53,8 +55,6 @@ def bind_to(model, arms) -> None:
     the model decides (a byte budget's rows, a calibration file's model, a
     group that must divide the head dimension) fails now, not after the arms
     before it have run."""
-    from ..api import make_options
-    from ..auto import resolve
 
     for arm in arms:
         if arm.algo == AUTO:  # at the table's prompt length
@@ -68,7 +68,6 @@ def chosen(model, arm: Arm, n_tokens: int, path: str = "generate") -> Arm:
     prompt of `n_tokens` on `path` (as `veloxpatch generate` would)."""
     if arm.algo != AUTO:
         return arm
-    from ..auto import resolve
 
     choice = resolve(model, arm.options, path, n_tokens)
     return Arm(choice.algo, choice.options)

@@ -13,7 +13,10 @@ from functools import partial
 
 import mlx_lm.models.cache as mlc
 
+from model_adapters import adapter_for
+
 from .. import api
+from ..caches.kv_budget import kv_dtype_size, parse_size
 from ..caches.options import check_int
 from ..errors import OptionError, PatchStateError
 
@@ -117,8 +120,6 @@ def _mlx_factory(kind: str, options: dict):
         # define make_cache (llama, qwen, mistral do).
         budget, sinks = options.get("budget"), options.get("sinks", 4)
         if options.get("max_kv_bytes") is not None:
-            from ..caches.kv_budget import parse_size
-
             if budget is not None:
                 raise OptionError("rotating: give budget or max_kv_bytes, not both")
             parse_size(options["max_kv_bytes"])
@@ -157,9 +158,6 @@ def rotating_options(model, options: dict) -> dict:
     """`mlx.rotating` with `max_kv_bytes`: the rows (max_size) whose keys and
     values, in every full-attention layer and KV head, fit in it (a rotating
     cache holds no positions), rounded down."""
-    from model_adapters import adapter_for
-
-    from ..caches.kv_budget import kv_dtype_size, parse_size
 
     dims = adapter_for(model).dims(model)
     size = kv_dtype_size(model)

@@ -9,13 +9,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import veloxpatch
+from veloxpatch import blas
+
 
 def run_info() -> dict:
     import mlx.core as mx
     import mlx_lm
-
-    import veloxpatch
-    from veloxpatch import blas
 
     commit = _git("rev-parse", "--short", "HEAD")
     # results files are what runs write, not what they ran

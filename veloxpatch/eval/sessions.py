@@ -14,6 +14,7 @@ import contextlib
 import mlx.core as mx
 
 from .. import api
+from . import peers  # optional peers are imported only when asked for
 from .arms import AUTO, Arm, is_peer
 from .replay import capture_prefill
 
@@ -25,7 +26,6 @@ def mlx_kind(arm: Arm) -> str | None:
 
 
 def peer_caches(model, arm: Arm) -> list:
-    from . import peers  # optional peers are imported only when asked for
 
     if (kind := mlx_kind(arm)) is not None:
         return peers.mlx_caches(model, kind, arm.options)
@@ -33,7 +33,6 @@ def peer_caches(model, arm: Arm) -> list:
 
 
 def peer_quantizer(arm: Arm):
-    from . import peers
 
     kind = mlx_kind(arm)
     return peers.quantizer(kind, arm.options) if kind else None

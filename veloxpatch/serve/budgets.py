@@ -18,8 +18,10 @@ import threading
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
+from ..caches.kv_budget import parse_size
 from ..errors import OptionError
 from .checks import FIELD, SIZE_FIELD, BadRequest
+from .kv import KVEstimate
 
 KEPT = 16  # bound options kept for reuse: each distinct size binds anew
 
@@ -50,8 +52,6 @@ class Budgets:
 
     def of(self, body: dict) -> RequestBudget | None:
         """The request's budget (None: the server's options), or BadRequest."""
-        from ..caches.kv_budget import parse_size
-        from .kv import KVEstimate
 
         field = body.get(FIELD) or {}
         if field.get("max_kv_bytes") is None:

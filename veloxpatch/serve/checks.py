@@ -18,6 +18,9 @@ import math
 import re
 from typing import NamedTuple
 
+from ..caches.kv_budget import parse_size
+from ..errors import OptionError
+
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 INT32_MAX = 2**31 - 1  # mlx indexes with 32-bit ints: bounds the context sizes
 
@@ -155,8 +158,6 @@ SIZE_FIELD = f"{FIELD}.max_kv_bytes"
 def _veloxpatch(body: dict) -> None:
     """`veloxpatch` (a request's own budget, `budgets.py`), if present: an
     object of known keys, its size readable."""
-    from ..caches.kv_budget import parse_size
-    from ..errors import OptionError
 
     if body.get(FIELD) is None:
         return

@@ -33,7 +33,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from model_adapters.base import fingerprint
+
+from ..caches.io import load_cache, save_cache
 from ..errors import CacheFileError, VeloxpatchError
+from ..loading.safetensors_header import check_safetensors
 
 log = logging.getLogger("veloxpatch.serve")
 
@@ -45,7 +49,6 @@ TEMP = re.compile(r"^entry-[0-9a-f]{32}\.safetensors\..*\.tmp\.safetensors$")
 
 def server_identity(provider) -> dict:
     """What an entry must have been made by to be loaded by this server."""
-    from model_adapters.base import fingerprint
 
     fp = json.dumps(fingerprint(provider.model), sort_keys=True)
     return {
@@ -112,7 +115,6 @@ class DiskEntries:
         )
 
     def _index(self, path: Path) -> None:
-        from ..loading.safetensors_header import check_safetensors
 
         try:
             header = check_safetensors(path, CacheFileError)
@@ -160,7 +162,6 @@ class DiskEntries:
     def load(self, name: str):
         """(caches, tokens, cache type, kept logits or None) of a stored entry,
         or None (one log line, the file removed) if it does not load whole."""
-        from ..caches.io import load_cache
 
         path = self.dir / name
         try:
@@ -190,8 +191,6 @@ class DiskEntries:
         """Write an entry the prompt cache keeps (once per token sequence; a
         later keep of the same tokens only marks it recently used)."""
         from mlx_lm.models.cache import can_trim_prompt_cache
-
-        from ..caches.io import save_cache
 
         if not self.writable:
             return

@@ -38,7 +38,10 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from ..caches.kv_budget import bound_bytes
+from model_adapters import adapter_for
+
+from ..caches import VeloxCache
+from ..caches.kv_budget import bound_bytes, kv_dtype_size
 from ..memory import full_kv_bytes, full_rows, kv_bytes
 
 log = logging.getLogger("veloxpatch.serve")
@@ -58,9 +61,6 @@ class KVEstimate:
     with instead, a request's own budget)."""
 
     def __init__(self, patch, options=None):
-        from model_adapters import adapter_for
-
-        from ..caches.kv_budget import kv_dtype_size
 
         model, options = patch.model, options or patch.options
         self.dims = dims = adapter_for(model).dims(model)
@@ -630,7 +630,6 @@ def kept_for_later(tokens, caches):
     ended (uncompressed, or kvzip's reconstruction-scored cache) is kept
     instead, under the prompt's tokens; nothing where the prompt's own
     evictions read the question's queries (h2o, tova, keyformer)."""
-    from ..caches import VeloxCache
 
     ours = [c for c in caches if isinstance(c, VeloxCache)]
     policy = type(ours[0]).policy_for(ours[0].options) if ours else "as_is"

@@ -29,11 +29,15 @@ from types import SimpleNamespace
 
 from mlx_lm.server import APIHandler, GenerationContext, ModelProvider
 
+from ..api import apply
+from ..caches import VeloxCache
 from ..errors import OptionError
+from ..loading.models import embedded_model_path, load
 from ..mlx_lm_internals import run_http_server, tokenize_request
 from .budgets import BudgetProvider, Budgets
 from .checks import BadRequest, check_body, check_length, model_limits
 from .cuts import CLIENT_GONE, Cut, CuttableGenerator, client_gone, stop_on_signals
+from .disk import DiskEntries, server_identity
 from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused, ReplayingModel
 
 log = logging.getLogger("veloxpatch.serve")
@@ -43,7 +47,6 @@ def batch_support(caches) -> tuple[bool, str]:
     """(can mlx-lm's BatchGenerator take these caches, why not). veloxpatch
     caches say so with `batchable`; mlx-lm's own (sliding-window layers) have
     `merge` when they batch, which is what mlx-lm's server checks."""
-    from ..caches import VeloxCache
 
     for c in caches:
         if c is None:
@@ -72,7 +75,6 @@ class PatchedModelProvider(ModelProvider):
     def names(self) -> set[str]:
         """The model names a request may give: mlx-lm's default, the path as
         given, its absolute form, and its file or folder name."""
-        from ..loading.models import embedded_model_path
 
         path = Path(self.source) if self.source else embedded_model_path()
         names = {"default_model", str(path), path.name, path.stem}
@@ -83,7 +85,6 @@ class PatchedModelProvider(ModelProvider):
         return names
 
     def served_name(self) -> str:
-        from ..loading.models import embedded_model_path
 
         return str(self.source) if self.source else embedded_model_path().stem
 
@@ -100,8 +101,6 @@ class PatchedModelProvider(ModelProvider):
         return self.model, self.tokenizer
 
     def _load_patched(self):
-        from ..api import apply
-        from ..loading.models import load
 
         model, tokenizer = load(self.source, quantized=self.quantized)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
@@ -616,8 +615,6 @@ def run(
         budgets=Budgets(provider.patch, provider.model_key, kv_cap),
     )
     if prompt_cache_dir is not None:
-        from .disk import DiskEntries, server_identity
-
         identity = server_identity(provider)
         prompt_cache.disk = DiskEntries(
             prompt_cache_dir, prompt_cache_disk_bytes, identity

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from ...errors import OptionError
+from ...prose import check_source
 
 
 @dataclass
@@ -57,7 +58,6 @@ def require(ok: bool, message: str) -> None:
 
 def check_text(text: str) -> None:
     """A built-in prose half or a readable UTF-8 file (prose.prose reads it)."""
-    from ...prose import check_source
 
     check_source(text)
 
