@@ -106,30 +106,3 @@ def test_an_arm_cutting_inside_the_captured_call_is_prefilled_directly():
     with veloxpatch.patched(model, "snapkv", **opts):
         wrong = continue_from(model, replayed, tail)
     assert not mx.array_equal(wrong, ref)  # what the replay would have given
-
-
-def test_a_replayed_kvzip_arm_is_refused_as_a_direct_one_under_max_kv_bytes(
-    monkeypatch,
-):
-    """The shared prefill calls no patched model: a kvzip arm whose pass cannot
-    hold the context within max_kv_bytes is refused there as it is when the arm
-    prefills itself (and as a user is)."""
-    import weakref
-
-    from test_kvzip import TOK
-
-    from veloxpatch.errors import OptionError
-    from veloxpatch.eval.arms import Arm
-    from veloxpatch.eval.sessions import Prefills, arm_caches
-    from veloxpatch.loading import models
-
-    model = tiny_model("llama")
-    monkeypatch.setitem(models._TOKENIZERS, id(model), (weakref.ref(model), TOK))
-    head = prompt_tokens(150).tolist()
-    arm = Arm("kvzip", dict(max_kv_bytes=80_000))
-    prefills = Prefills(model, head, [arm])
-    for shared in (prefills, None):
-        with pytest.raises(OptionError, match="kvzip holds the whole context"):
-            with arm_caches(model, arm, head, shared, 64):
-                pass
-    assert veloxpatch.api.patch_of(model) is None

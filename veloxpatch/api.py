@@ -21,7 +21,7 @@ from . import auto, mlx_flags, mlx_lm_internals, patcher
 from .auto import held_rows
 from .caches import VeloxCache
 from .caches.io import register_with_mlx_lm
-from .caches.kv_budget import kv_dtype_size, parse_size
+from .caches.kv_budget import parse_size
 from .caches.options import files_of
 from .caches.phase import PromptPhase
 from .context import prefill
@@ -193,21 +193,6 @@ class Patch:
         return prefill(
             self, tokens, tokenizer=tokenizer, chunk=chunk, context_start=context_start
         )
-
-    def check_context(
-        self, n_tokens: int, new: int | None = None, tokenizer=None, options=None
-    ):
-        """Refuse a context of `n_tokens` (`new` of them not compressed yet;
-        None: all) the options (default: this patch's) cannot process within
-        their `max_kv_bytes` (kvzip's reconstruction), before any work. The
-        pass phrases its instruction with this patch's tokenizer or
-        `tokenizer` (prefill's): with neither it never runs, and nothing is
-        refused."""
-        check = getattr(options or self.options, "check_context", None)
-        has_tokenizer = self.tokenizer is not None or tokenizer is not None
-        if check is not None and has_tokenizer:
-            dims = adapter_for(self.model).dims(self.model)
-            check(dims, kv_dtype_size(self.model), n_tokens, new)
 
     def _model_forward(self, wrapped, model, args, kwargs):
         if mlx_lm_internals.in_speculative_step(sys._getframe(1), 6):

@@ -28,7 +28,6 @@ def prefill(patch, tokens, *, tokenizer=None, chunk: int = 2048, context_start=0
         raise OptionError(f"chunk must be a positive integer, got {chunk!r}")
     if patch.cache_cls.wants_token_ids and tokenizer is None:
         raise OptionError(f"{patch.algo}'s scoring pass needs the tokenizer")
-    patch.check_context(len(ids), tokenizer=tokenizer)
     caches = patch.make_cache(n_tokens=len(ids))
     for start in range(0, len(ids), chunk):
         patch.model(mx.array(ids[start : start + chunk])[None], cache=caches)

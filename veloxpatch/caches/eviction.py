@@ -121,11 +121,6 @@ class EvictionOptions(CacheOptions):
         algorithms that otherwise compress when it ends (`compress="chunks"`)."""
         return None
 
-    def check_context(self, dims, dtype_size: int, n_tokens: int, new=None) -> None:
-        """Refuse, before any work, a context of `n_tokens` (`new` of them not
-        compressed yet; None: all) this algorithm cannot process within
-        `max_kv_bytes` (kvzip). Default: any fits."""
-
     def peak_extra_rows(self) -> int | None:
         """Rows held beyond the budget at any point, prompt included, where the
         cache bounds them (`compress="chunks"`: a chunk, or the decode's extra
@@ -207,7 +202,6 @@ class EvictionOptions(CacheOptions):
                 f"and KV head on this model{held}, too few: {opts}"
                 + _smaller_chunk(type(self), algo, given, model, dims, limit, chunk)
             )
-        opts.bytes_limit = limit  # what the budget was bought with
         return opts.bind(model, dims)
 
 

@@ -145,7 +145,6 @@ def generate(
         algo, options = choice.algo, choice.options
     with apply(m, algo=algo, tokenizer=tokenizer, **options) as patch:
         patch.auto = choice
-        patch.check_context(len(prompt))
         caches = caches if caches is not None else patch.make_cache()
         last = None
         mx.synchronize()

@@ -527,10 +527,6 @@ class Generator(CuttableGenerator):
         if self.compress_system:
             patch, tokenizer = provider.patch, provider.tokenizer
 
-            # the pass's bytes refused before the system prompt is read
-            options = getattr(provider, "kv_options", None)  # a request's own
-            patch.check_context(len(segments[0]), tokenizer=tokenizer, options=options)
-
             def compress(caches, ids):
                 patch.cache_cls.finish_context(patch.model, caches, ids, tokenizer)
                 patch.end_prompt(caches)

@@ -56,7 +56,6 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 
-from ...errors import OptionError
 from ..attention_math import newest_queries, query_probs, query_tiles
 from ..base import PAD_POSITION
 from ..eviction import EvictingCache
@@ -95,23 +94,6 @@ class KVzipOptions(ModelWideOptions):
         # the unpatched model holds it) and quantized once the kept rows are
         # chosen, so the pass reads dense rows at a prefill's cost and peak
         return True
-
-    def check_context(self, dims, dtype_size, n_tokens, new=None):
-        # the reconstruction pass scores the context held at full precision,
-        # plus one repeated chunk of what it reconstructs: inherent to the method
-        limit = getattr(self, "bytes_limit", None)
-        if limit is None:
-            return
-        rows = n_tokens + min(self.chunk, n_tokens if new is None else new)
-        layers = zip(dims.kv_heads, dims.head_dims, dims.sliding)
-        need = sum(h * rows * (2 * d * dtype_size + 4) for h, d, s in layers if not s)
-        if need > limit:
-            raise OptionError(
-                f"kvzip holds the whole context at full precision while its "
-                f"reconstruction pass scores it: {n_tokens} tokens need "
-                f"{need:,} bytes, over max_kv_bytes ({limit:,}); use a shorter "
-                "context, a larger max_kv_bytes, or snapkv with compress=chunks"
-            )
 
 
 class KVzipCache(EvictingCache):

@@ -80,10 +80,6 @@ def model_forward(cls, patch, wrapped, model, args, kwargs):
     n, offset = ids.shape[1], first.offset
     if first.phase.would_end(n):
         _score_segment(patch, model, caches, zipped)
-    elif first.phase.takes_prompt(n):
-        # mlx-lm's generate shows the prompt a chunk at a time: refused as
-        # soon as what it has shown cannot be reconstructed within the bytes
-        patch.check_context(first.rows + n, offset + n - first.segment_start())
     # generated tokens too: a later prompt's pass reconstructs the answer with it
     first.phase.record(offset, ids[0].tolist())
     return wrapped(*args, **kwargs)
