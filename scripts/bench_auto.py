@@ -21,7 +21,7 @@ Protocols:
   (`serve.kv.kept_for_later`; mlx-lm's caches: trimmed to the shared prefix
   where they can be, else the conversation is read again).
 
-Budgets come from `veloxpatch.auto.held_options` at `fraction *
+Budgets come from `veloxpatch.pricing.held_options` at `fraction *
 full_bytes(model, prompt tokens)`, per case and protocol. The timed prefill
 and its mx peak are the `after` protocol's document read. Results are written
 after every configuration; `--only` / `--fractions` rerun a part and merge it
@@ -296,9 +296,9 @@ def arm_for(model, config: Config, n_tokens: int, scorer):
     """The eval arm (veloxpatch.eval.arms.Arm) of `config` for a prompt of
     `n_tokens`: candidates get their rows from `held_options` at the
     fraction's bytes; OptionError where those buy too few rows."""
-    from veloxpatch.auto import full_bytes, held_options
     from veloxpatch.eval.arms import Arm
     from veloxpatch.eval.peers import rotating_options
+    from veloxpatch.pricing import full_bytes, held_options
 
     target = int(config.fraction * full_bytes(model, n_tokens))
     if config.algo == "full":
@@ -496,7 +496,7 @@ def run_case(model, tokenizer, config, case, shared: Shared, scorer, timed) -> d
         reply, _ = generate(model, tokenizer, arm, rest, caches, ANSWER_TOKENS, stop)
     out["chat"] = {"turn1": summary, "reply": reply, "correct": case.correct(reply)}
     if config.algo == "mlx.quantized":
-        from veloxpatch.auto import full_bytes
+        from veloxpatch.pricing import full_bytes
 
         out["full_bytes"] = full_bytes(model, len(ids["document"]))
     return out

@@ -3,7 +3,7 @@ reconstruction included) per configuration against the unpatched model's
 prefill of the same tokens (mlx-lm's own cache, 2,048-token steps), in one
 run: median seconds of interleaved repeats, and mx's peak memory while reading
 above what was in use before (the weights excluded). Every configuration holds
-20% of the prompt's full KV once it is read (`auto.held_options`); `auto` is
+20% of the prompt's full KV once it is read (`pricing.held_options`); `auto` is
 what `veloxpatch compress --max-kv-bytes 20%` picks for that prompt.
 
     .venv/bin/python scripts/bench_compress.py --contexts 2000,8000 --repeats 3 \\
@@ -30,7 +30,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
 import veloxpatch  # noqa: E402
-from veloxpatch import auto  # noqa: E402
+from veloxpatch import auto, pricing  # noqa: E402
 from veloxpatch.errors import OptionError  # noqa: E402
 from veloxpatch.eval.runinfo import run_info, write_results  # noqa: E402
 from veloxpatch.prose import prose_tokens  # noqa: E402
@@ -92,8 +92,8 @@ def arm_options(model, name: str, n: int):
         STATED[n, name] = choice.peak_bytes
         return choice.algo, choice.options
     algo = name.split()[0]
-    size = int(SHARE * auto.full_bytes(model, n))
-    return algo, auto.held_options(model, algo, size, ARMS[name])
+    size = int(SHARE * pricing.full_bytes(model, n))
+    return algo, pricing.held_options(model, algo, size, ARMS[name])
 
 
 def main():

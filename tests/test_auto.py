@@ -16,7 +16,7 @@ from tiny import prompt_tokens, tiny_model, tiny_scorer
 
 import veloxpatch
 from model_adapters.base import fingerprint
-from veloxpatch import auto
+from veloxpatch import auto, pricing
 from veloxpatch.api import patch_of
 from veloxpatch.caches.calibration_files import home_path
 from veloxpatch.cli import main
@@ -55,16 +55,16 @@ def scorer_in_home(model, made_for=None):
 )
 def test_a_bad_target_is_one_line(bad):
     with pytest.raises(OptionError) as e:
-        auto.parse_target(bad)
+        pricing.parse_target(bad)
     assert "\n" not in str(e.value) and "max_kv_bytes" in str(e.value)
 
 
 def test_targets_parse_as_shares_or_bytes():
-    assert auto.parse_target("20%").ratio == 0.2
-    assert auto.parse_target(" 35.5 % ").ratio == pytest.approx(0.355)
-    assert auto.parse_target("100%").ratio == 1.0
-    assert auto.parse_target("24MB").size == 24_000_000
-    assert auto.parse_target(4096).size == 4096
+    assert pricing.parse_target("20%").ratio == 0.2
+    assert pricing.parse_target(" 35.5 % ").ratio == pytest.approx(0.355)
+    assert pricing.parse_target("100%").ratio == 1.0
+    assert pricing.parse_target("24MB").size == 24_000_000
+    assert pricing.parse_target(4096).size == 4096
 
 
 # the contract's rule read off the fixture by hand: (share, path) -> (with a
@@ -92,7 +92,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("share,path", list(EXPECTED))
 def test_the_rule_on_the_fixture(fixture_table, share, path):
-    f = auto.parse_target(share).ratio
+    f = pricing.parse_target(share).ratio
     got = []
     for kvzap in (True, False):
         row, _ = auto.rule(fixture_table, f, path, kvzap)
@@ -132,9 +132,9 @@ def test_kvzap_is_picked_with_this_models_scorer(fixture_table):
     assert choice.options["scorer"] == path and "kv_bits" not in choice.options
     assert "calibrate" not in choice.line()
     # the rows fit the target for this prompt once it is read
-    held = auto.held_options(model, "kvzap", choice.held_bytes, choice.options)
+    held = pricing.held_options(model, "kvzap", choice.held_bytes, choice.options)
     assert held["budget"] == choice.budget
-    assert choice.held_bytes == int(0.35 * auto.full_bytes(model, 8000))
+    assert choice.held_bytes == int(0.35 * pricing.full_bytes(model, 8000))
 
 
 def test_a_byte_target_too_small_names_the_smallest_that_works(fixture_table):
@@ -147,6 +147,20 @@ def test_a_byte_target_too_small_names_the_smallest_that_works(fixture_table):
     assert auto.choose(model, need, "apply", n_tokens=100).budget >= 1
     with pytest.raises(OptionError, match="smallest target"):
         auto.choose(model, need - 1, "apply", n_tokens=100)
+
+
+def test_a_share_no_share_can_meet_names_a_size_instead(fixture_table):
+    # a prompt shorter than what the algorithm always keeps: no share up to
+    # 100% buys it rows, so the line gives a size a user can pass
+    model = model32()
+    with pytest.raises(OptionError) as e:
+        auto.choose(model, "20%", "apply", n_tokens=3)
+    message = str(e.value)
+    assert "\n" not in message and "%" not in message.split("max_kv_bytes=20%")[1]
+    assert "keep this prompt uncompressed, or give a size of at least" in message
+    need = int(message.rsplit("at least ", 1)[1].split()[0].replace(",", ""))
+    assert need > pricing.full_bytes(model, 3)
+    assert auto.choose(model, need, "apply", n_tokens=3).budget >= 1
 
 
 def test_a_peak_bound_picks_what_fits_or_names_the_least(fixture_table):
@@ -162,7 +176,9 @@ def test_no_table_is_one_line_naming_the_command(monkeypatch, tmp_path):
     with pytest.raises(OptionError) as e:
         veloxpatch.apply(model32(), "auto", max_kv_bytes="20%")
     assert "\n" not in str(e.value)
-    assert str(e.value).endswith("build it with `python scripts/bench_auto.py`")
+    assert str(e.value).endswith(
+        "reinstall veloxpatch, or in its repository run `python scripts/bench_auto.py`"
+    )
 
 
 def test_auto_takes_a_target_and_nothing_the_choice_sets(fixture_table):
@@ -339,7 +355,7 @@ def test_a_row_with_its_own_residual_carries_it_into_the_choice(monkeypatch, tmp
     assert choice.options["kv_bits"] == 4 and choice.options["kv_residual"] == 32
     assert "4-bit keys and values (the newest 32 rows unquantized)" in choice.line()
     assert choice.record()["kv_residual"] == 32
-    default = auto.held_options(model, "kvzip", choice.held_bytes, {"kv_bits": 4})
+    default = pricing.held_options(model, "kvzip", choice.held_bytes, {"kv_bits": 4})
     assert choice.budget > default["budget"]  # fewer dense rows: more rows held
     with veloxpatch.patched(model, choice.algo, **choice.options) as patch:
         assert patch.make_cache()[0].options.quant.residual == 32
@@ -397,7 +413,7 @@ def test_an_auto_arm_runs_what_auto_chooses_for_each_prompt(fixture_table):
         rows = evaluate_continuation(model, [arm], ids[:n], ids[n : n + 24], 32)
         (row,) = [r for r in rows if r.arm == arm.label]
         assert row.algo == "auto" and row.chose == use.label
-        assert row.kv_bytes <= auto.full_bytes(model, n) * 0.3
+        assert row.kv_bytes <= pricing.full_bytes(model, n) * 0.3
     from veloxpatch.eval.tasks.continuation import _table
 
     table = _table([r.as_dict() for r in rows], [arm])

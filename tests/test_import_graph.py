@@ -234,7 +234,7 @@ LAYERS = (
         "foundation",
         (
             "model_adapters",
-            "veloxpatch",  # the package's face: its names load lazily
+            "veloxpatch.__init__",  # the package face alone: its names load lazily
             "veloxpatch.blas",
             "veloxpatch.checked_io",
             "veloxpatch.errors",
@@ -256,6 +256,7 @@ LAYERS = (
             "veloxpatch.context",
             "veloxpatch.memory",
             "veloxpatch.patcher",
+            "veloxpatch.pricing",
             "veloxpatch.probe",
             "veloxpatch.registry",
         ),
@@ -269,6 +270,8 @@ LAYERS = (
 
 def layer_of(module: str) -> int | None:
     """The index of the layer holding `module` (the longest prefix wins)."""
+    if module == "veloxpatch":
+        module = "veloxpatch.__init__"
     best = None
     for i, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:

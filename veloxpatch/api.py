@@ -18,15 +18,14 @@ from mlx_lm.models.cache import KVCache
 from model_adapters import adapter_for
 
 from . import auto, mlx_flags, mlx_lm_internals, patcher
-from .auto import held_rows
 from .caches import VeloxCache
 from .caches.io import register_with_mlx_lm
-from .caches.kv_budget import parse_size
 from .caches.options import files_of
 from .caches.phase import PromptPhase
 from .context import prefill
 from .errors import OptionError, PatchStateError, UnsupportedModelError
 from .loading.models import tokenizer_of
+from .pricing import held_rows, parse_size
 from .registry import algorithm, algos, make_options  # noqa: F401 (api's names)
 
 _MISSING = object()

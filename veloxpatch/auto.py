@@ -26,105 +26,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from pathlib import Path
 
 from model_adapters import adapter_for
 
 from .caches.calibration_files import find, load_scorer
-from .caches.eviction import PLACEHOLDER_BUDGET
-from .caches.kv_budget import budget_for_bytes, kv_dtype_size, parse_size
 from .errors import OptionError
-from .registry import algorithm, make_options
-
-
-def full_bytes(model, n_tokens: int) -> int:
-    """Bytes mlx-lm's own cache holds for `n_tokens` tokens on `model` (keys
-    and values in the model's dtype, every layer veloxpatch would patch,
-    without the allocation step's padding)."""
-
-    dims = adapter_for(model).dims(model)
-    size = kv_dtype_size(model)
-    layers = zip(dims.kv_heads, dims.head_dims, dims.sliding)
-    return sum(h * n_tokens * 2 * d * size for h, d, s in layers if not s)
-
-
-def held_options(model, algo: str, target_bytes: int, options: dict | None = None):
-    """`options` (kv_bits...) with the budget whose bytes held once the prompt
-    is read fit `target_bytes` on `model`: priced for decode, without
-    `max_kv_bytes`'s bound on what reading the prompt holds (kvzip's
-    reconstruction, kvzap's prompt chunk). Raises OptionError where the target
-    buys too few rows."""
-
-    given = {k: v for k, v in (options or {}).items() if k != "max_kv_bytes"}
-    cls = algorithm(algo)
-    if "budget" not in cls.Options.option_names():
-        raise OptionError(f"{algo!r} keeps every token: it has no budget")
-    priced = cls.Options.create(cls.name, {**given, "budget": PLACEHOLDER_BUDGET})
-    dims = adapter_for(model).dims(model)
-    limit = int(target_bytes)
-    budget = budget_for_bytes(priced, dims, kv_dtype_size(model), limit, decode=True)
-    try:
-        make_options(algo, {**given, "budget": budget}, model)
-    except OptionError as e:
-        raise OptionError(
-            f"{limit:,} bytes buy {budget} rows per layer and KV head of {algo} "
-            f"on this model, too few: {e}"
-        ) from None
-    return {**given, "budget": budget}
-
-
-# ---- targets ----------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A memory target: `ratio` of each prompt's full KV, or `size` bytes."""
-
-    text: str
-    ratio: float | None = None
-    size: int | None = None
-
-    def bytes_for(self, model, n_tokens: int) -> int:
-        if self.size is not None:
-            return self.size
-        return math.floor(self.ratio * full_bytes(model, n_tokens))
-
-    def __str__(self) -> str:
-        return self.text
-
-
-_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
-
-
-def parse_target(value, name: str = "max_kv_bytes") -> Target:
-    """A target from "20%" (of each prompt's full KV), "24MB" or an int of
-    bytes; anything else is one OptionError line."""
-
-    if isinstance(value, Target):
-        return value
-    if isinstance(value, str) and "%" in value:
-        m = _PERCENT.match(value)
-        share = float(m.group(1)) if m else None
-        if share is None or not 0 < share <= 100:
-            raise OptionError(
-                f"{name} as a share of the full KV cache must be above 0% and at "
-                f"most 100%, got {value!r}"
-            )
-        return Target(f"{share:g}%", ratio=share / 100)
-    if isinstance(value, str) and value.strip().startswith("-"):
-        raise OptionError(f"{name} must be positive, got {value!r}")
-    try:
-        size = parse_size(value, name)
-    except OptionError:
-        raise OptionError(
-            f"{name} must be a share of the full KV cache like 20% or a size like "
-            f"24MB or a number of bytes, got {value!r}"
-        ) from None
-    return Target(f"{size:,} bytes", size=size)
-
+from .pricing import Target, full_bytes, held_rows, parse_size, parse_target
 
 # ---- the measured table -----------------------------------------------------------
 TABLE = Path(__file__).with_name("auto_table.json")
-BUILD = "python scripts/bench_auto.py"
+# the table is package data: an install has it; a clone rebuilds it
+BUILD = "reinstall veloxpatch, or in its repository run `python scripts/bench_auto.py`"
 CANDIDATES = ("kvzap", "kvzip", "snapkv", "expected_attention", "streaming_llm")
 # the protocols whose worst case counts on each path (docs/auto.md)
 PATHS = {
@@ -148,8 +61,7 @@ def load_table(path=None) -> dict:
     path = Path(path) if path is not None else TABLE
     if not path.is_file():
         raise OptionError(
-            f"algo='auto' has no measured table yet ({path.name} is missing); "
-            f"build it with `{BUILD}`"
+            f"algo='auto' has no measured table yet ({path.name} is missing); {BUILD}"
         )
     try:
         table = json.loads(path.read_text(encoding="utf-8"))
@@ -163,11 +75,9 @@ def load_table(path=None) -> dict:
                 ok = all(isinstance(r["correct"].get(p), int) for p in PROTOCOL_WORDS)
                 ok = ok and isinstance(r["prefill_s_median"], (int, float))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise OptionError(
-            f"{path} is damaged ({e}); rebuild it with `{BUILD}`"
-        ) from None
+        raise OptionError(f"{path} is damaged ({e}); {BUILD}") from None
     if not ok:
-        raise OptionError(f"{path} is damaged; rebuild it with `{BUILD}`")
+        raise OptionError(f"{path} is damaged; {BUILD}")
     return table
 
 
@@ -393,50 +303,6 @@ def peak_of(row: dict, table: dict, n_tokens: int) -> int:
     return math.ceil(peak * size(n_tokens) / size(table["context_tokens"]))
 
 
-def smallest_target(model, algo: str, options: dict, start: int) -> int | None:
-    """The fewest bytes (above `start`) that buy more rows than `algo`
-    protects with `options`; None where no size does (another fault)."""
-    lo, hi = start, max(2 * start, 1024)
-    while not _buys(model, algo, options, hi):
-        if hi > 2**50:
-            return None
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _buys(model, algo, options, mid) else (mid, hi)
-    return hi
-
-
-def _buys(model, algo, options, size) -> bool:
-    try:
-        held_options(model, algo, size, options)
-    except OptionError:
-        return False
-    return True
-
-
-def held_rows(model, algo: str, target: Target, n_tokens: int, options: dict):
-    """`options` with the rows `target` buys for a prompt of `n_tokens`; where
-    it buys too few, one OptionError line naming the smallest target that
-    would."""
-    size = target.bytes_for(model, n_tokens)
-    try:
-        return held_options(model, algo, size, options)
-    except OptionError:
-        need = smallest_target(model, algo, options, size)
-        if need is None:
-            raise
-    if target.ratio is not None:
-        fix = f"{math.ceil(1000 * need / full_bytes(model, n_tokens)) / 10:g}%"
-    else:
-        fix = f"{need:,} bytes"
-    raise OptionError(
-        f"max_kv_bytes={target} buys too few rows for {algo} on a {n_tokens}-token "
-        f"prompt of this model (fewer than it always keeps); the smallest target "
-        f"that works is {fix}"
-    )
-
-
 def check_options(options: dict) -> None:
     """The options `algo="auto"` takes, checked without a model: `max_kv_bytes`
     (the target) and `max_peak_bytes`, nothing else."""
@@ -506,8 +372,7 @@ def choose(
         )
     if row is None:
         raise OptionError(
-            f"{TABLE.name} has no usable configuration at {at:.0%}; rebuild it "
-            f"with `{BUILD}`"
+            f"{TABLE.name} has no usable configuration at {at:.0%}; {BUILD}"
         )
     opts = held_rows(model, row["algo"], target, n, _options_of(row, scorer))
     kvzap_rows = any(

@@ -302,8 +302,8 @@ def refuse_missing_calibration(algo: str, options: dict) -> None:
 def check_auto(options: dict, max_peak_bytes) -> None:
     """Before the model loads: auto's options (a target, nothing the choice
     sets) and a measured table to choose from."""
-    from ..auto import load_table, parse_target
-    from ..caches.kv_budget import parse_size
+    from ..auto import load_table
+    from ..pricing import parse_size, parse_target
 
     if options.get("max_kv_bytes") is None:
         raise UserError("--algo auto needs --max-kv-bytes, e.g. 20% or 24MB")

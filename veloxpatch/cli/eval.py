@@ -25,8 +25,8 @@ def _arms(text: str, budgets: list[int], sizes: str = ""):
     """The arms `--arms` and `--budgets` (or `--max-kv-bytes`) name: at least one,
     none twice, and every budget or size used by some arm."""
     from ..api import algorithm
-    from ..auto import parse_target
     from ..eval.arms import AUTO, expand, is_peer, split_arms
+    from ..pricing import parse_target
 
     limits = [s.strip() for s in sizes.split(",") if s.strip()]
     texts = split_arms(text)

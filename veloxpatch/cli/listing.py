@@ -61,13 +61,13 @@ def auto_choices(share) -> None:
     from ..auto import (
         PATHS,
         load_table,
-        parse_target,
         read_ratio,
         rule,
         score,
         stored,
         table_fraction,
     )
+    from ..pricing import parse_target
 
     target = parse_target(share, "--auto")
     if target.ratio is None:

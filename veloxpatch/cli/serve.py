@@ -202,8 +202,8 @@ def serve(
     import logging
 
     from ..api import make_options
-    from ..caches.kv_budget import parse_size
     from ..errors import OptionError
+    from ..pricing import parse_size
 
     algo = algo or ("auto" if max_kv_bytes is not None else "full")
     options = algo_options(budget, algo_args, max_kv_bytes)
@@ -273,7 +273,7 @@ def serve(
 def check_serve_auto(options: dict, compress_system_prompt: bool) -> None:
     """auto on the server: chosen once at load for a size per sequence (a
     request's own max_kv_bytes re-prices the rows of that choice)."""
-    from ..auto import parse_target
+    from ..pricing import parse_target
     from .checks import check_auto
 
     check_auto(options, None)

@@ -13,12 +13,10 @@ from functools import partial
 
 import mlx_lm.models.cache as mlc
 
-from model_adapters import adapter_for
-
 from .. import api
-from ..caches.kv_budget import kv_dtype_size, parse_size
 from ..caches.options import check_int
 from ..errors import OptionError, PatchStateError
+from ..pricing import full_bytes, parse_size
 
 
 @dataclass(frozen=True)
@@ -159,13 +157,7 @@ def rotating_options(model, options: dict) -> dict:
     values, in every full-attention layer and KV head, fit in it (a rotating
     cache holds no positions), rounded down."""
 
-    dims = adapter_for(model).dims(model)
-    size = kv_dtype_size(model)
-    per_row = sum(
-        h * 2 * d * size
-        for h, d, sliding in zip(dims.kv_heads, dims.head_dims, dims.sliding)
-        if not sliding
-    )
+    per_row = full_bytes(model, 1)
     limit = options["max_kv_bytes"]
     budget = parse_size(limit) // per_row
     rest = {k: v for k, v in options.items() if k != "max_kv_bytes"}

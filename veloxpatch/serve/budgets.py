@@ -2,7 +2,7 @@
 
 The size is that request's per-sequence byte target: its caches are made with
 the patch's options and this `max_kv_bytes` in place of the server's budget
-(`Patch.options_for_bytes`, priced by `caches/kv_budget.py` as the option is
+(`Patch.options_for_bytes`, priced by `pricing.py` as the option is
 everywhere), its KV reservation is bounded with those options (`kv.KVEstimate`),
 and its prompt-cache entries live under their own key (`RequestBudget.key`), so
 that an entry made under one budget is never handed to a request with another.
@@ -18,8 +18,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
-from ..caches.kv_budget import parse_size
 from ..errors import OptionError
+from ..pricing import parse_size
 from .checks import FIELD, SIZE_FIELD, BadRequest
 from .kv import KVEstimate
 

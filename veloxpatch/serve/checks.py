@@ -18,8 +18,8 @@ import math
 import re
 from typing import NamedTuple
 
-from ..caches.kv_budget import parse_size
 from ..errors import OptionError
+from ..pricing import parse_size
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 INT32_MAX = 2**31 - 1  # mlx indexes with 32-bit ints: bounds the context sizes

@@ -40,9 +40,10 @@ from mlx_lm.models.cache import (
 
 from model_adapters import adapter_for
 
+from .. import pricing
 from ..caches import VeloxCache
-from ..caches.kv_budget import bound_bytes, kv_dtype_size
 from ..memory import full_kv_bytes, full_rows, kv_bytes
+from ..pricing import bound_bytes, kv_dtype_size
 
 log = logging.getLogger("veloxpatch.serve")
 
@@ -70,7 +71,7 @@ class KVEstimate:
         # sliding-window layers keep mlx-lm's cache: counted whole, as a bound
         self.sliding_row = sum(h * 2 * d * dtype for h, d, s in layers if s)
         self.patched_row = sum(h * (2 * d * dtype + 4) for h, d, s in layers if not s)
-        self.full_row = sum(h * 2 * d * dtype for h, d, _ in layers)
+        self.model = model
         # the snapshot the prompt cache keeps (kept_for_later) is held too
         self.snapshot = patch.cache_cls.policy_for(options) == "prompt"
         self.budget = getattr(options, "budget", None)
@@ -96,7 +97,8 @@ class KVEstimate:
 
     def full_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """What mlx-lm's own KVCache would hold for the same request."""
-        return self.full_row * full_rows(prompt_tokens + max_tokens)
+        rows = full_rows(prompt_tokens + max_tokens)
+        return pricing.full_bytes(self.model, rows) + self.sliding_row * rows
 
 
 class KVLedger:

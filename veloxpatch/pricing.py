@@ -1,0 +1,167 @@
+"""`max_kv_bytes`, priced on a model: what a memory target buys.
+
+The one place everything above the caches asks (apply, auto, the CLI, the
+server and eval):
+
+- `full_bytes(model, n)`: what mlx-lm's own cache holds for `n` tokens (keys
+  and values in the model's dtype, every layer veloxpatch patches);
+- `parse_target`: a target, "20%" of each prompt's full KV or bytes ("24MB");
+- `held_options(model, algo, size)`: the rows `size` bytes buy, held once the
+  prompt is read; `held_rows(model, algo, target, n)`: the same for a target on
+  an `n`-token prompt, or one line naming the smallest target that works.
+
+What a configuration holds at a budget, per layer and KV head, is
+`caches/kv_budget.py`: the caches bind `max_kv_bytes` with it, below this layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from model_adapters import adapter_for
+
+from .caches.eviction import PLACEHOLDER_BUDGET
+from .caches.kv_budget import bound_bytes, budget_for_bytes, kv_dtype_size, parse_size
+from .errors import OptionError
+from .registry import algorithm, make_options
+
+__all__ = [
+    "Target",
+    "bound_bytes",
+    "full_bytes",
+    "held_options",
+    "held_rows",
+    "kv_dtype_size",
+    "parse_size",
+    "parse_target",
+    "smallest_target",
+]
+
+
+def full_bytes(model, n_tokens: int) -> int:
+    """Bytes mlx-lm's own cache holds for `n_tokens` tokens on `model` (keys
+    and values in the model's dtype, every layer veloxpatch would patch,
+    without the allocation step's padding)."""
+    dims = adapter_for(model).dims(model)
+    size = kv_dtype_size(model)
+    layers = zip(dims.kv_heads, dims.head_dims, dims.sliding)
+    return sum(h * n_tokens * 2 * d * size for h, d, s in layers if not s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A memory target: `ratio` of each prompt's full KV, or `size` bytes."""
+
+    text: str
+    ratio: float | None = None
+    size: int | None = None
+
+    def bytes_for(self, model, n_tokens: int) -> int:
+        if self.size is not None:
+            return self.size
+        return math.floor(self.ratio * full_bytes(model, n_tokens))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+
+
+def parse_target(value, name: str = "max_kv_bytes") -> Target:
+    """A target from "20%" (of each prompt's full KV), "24MB" or an int of
+    bytes; anything else is one OptionError line."""
+    if isinstance(value, Target):
+        return value
+    if isinstance(value, str) and "%" in value:
+        m = _PERCENT.match(value)
+        share = float(m.group(1)) if m else None
+        if share is None or not 0 < share <= 100:
+            raise OptionError(
+                f"{name} as a share of the full KV cache must be above 0% and at "
+                f"most 100%, got {value!r}"
+            )
+        return Target(f"{share:g}%", ratio=share / 100)
+    if isinstance(value, str) and value.strip().startswith("-"):
+        raise OptionError(f"{name} must be positive, got {value!r}")
+    try:
+        size = parse_size(value, name)
+    except OptionError:
+        raise OptionError(
+            f"{name} must be a share of the full KV cache like 20% or a size like "
+            f"24MB or a number of bytes, got {value!r}"
+        ) from None
+    return Target(f"{size:,} bytes", size=size)
+
+
+def held_options(model, algo: str, target_bytes: int, options: dict | None = None):
+    """`options` (kv_bits...) with the budget whose bytes held once the prompt
+    is read fit `target_bytes` on `model`: priced for decode, without
+    `max_kv_bytes`'s bound on what reading the prompt holds (kvzap's prompt
+    chunk). Raises OptionError where the target buys too few rows."""
+    given = {k: v for k, v in (options or {}).items() if k != "max_kv_bytes"}
+    cls = algorithm(algo)
+    if "budget" not in cls.Options.option_names():
+        raise OptionError(f"{algo!r} keeps every token: it has no budget")
+    priced = cls.Options.create(cls.name, {**given, "budget": PLACEHOLDER_BUDGET})
+    dims = adapter_for(model).dims(model)
+    limit = int(target_bytes)
+    budget = budget_for_bytes(priced, dims, kv_dtype_size(model), limit, decode=True)
+    try:
+        make_options(algo, {**given, "budget": budget}, model)
+    except OptionError as e:
+        raise OptionError(
+            f"{limit:,} bytes buy {budget} rows per layer and KV head of {algo} "
+            f"on this model, too few: {e}"
+        ) from None
+    return {**given, "budget": budget}
+
+
+def smallest_target(model, algo: str, options: dict, start: int) -> int | None:
+    """The fewest bytes (above `start`) that buy more rows than `algo`
+    protects with `options`; None where no size does (another fault)."""
+    lo, hi = start, max(2 * start, 1024)
+    while not _buys(model, algo, options, hi):
+        if hi > 2**50:
+            return None
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _buys(model, algo, options, mid) else (mid, hi)
+    return hi
+
+
+def _buys(model, algo, options, size) -> bool:
+    try:
+        held_options(model, algo, size, options)
+    except OptionError:
+        return False
+    return True
+
+
+def held_rows(model, algo: str, target: Target, n_tokens: int, options: dict):
+    """`options` with the rows `target` buys for a prompt of `n_tokens`; where
+    it buys too few, one OptionError line naming the smallest target that
+    would, one a user can pass."""
+    size = target.bytes_for(model, n_tokens)
+    try:
+        return held_options(model, algo, size, options)
+    except OptionError:
+        need = smallest_target(model, algo, options, size)
+        if need is None:
+            raise
+    full = full_bytes(model, n_tokens)
+    head = (
+        f"max_kv_bytes={target} buys too few rows for {algo} on a {n_tokens}-token "
+        "prompt of this model (fewer than it always keeps)"
+    )
+    if need > full:  # no share can: the prompt is shorter than what it keeps
+        raise OptionError(
+            f"{head}, and so would the prompt's whole KV ({full:,} bytes); keep "
+            f"this prompt uncompressed, or give a size of at least {need:,} bytes"
+        )
+    share = f"{math.ceil(1000 * need / full) / 10:g}%"
+    fix = share if target.ratio is not None else f"{need:,} bytes"
+    raise OptionError(f"{head}; the smallest target that works is {fix}")
