@@ -363,7 +363,7 @@ def test_a_row_with_its_own_residual_carries_it_into_the_choice(monkeypatch, tmp
     assert result.exit_code == 0 and "kvzip 4-bit r32 12/12" in result.output
 
 
-def test_auto_arms_take_shares_and_sizes_and_a_share_is_autos_alone():
+def test_arms_take_shares_and_sizes_and_a_share_is_not_a_peers():
     from veloxpatch.eval.arms import expand
 
     arms = expand(["auto", "kvzip", "mlx.quantized"], max_kv_bytes=["15MB"])
@@ -378,8 +378,13 @@ def test_auto_arms_take_shares_and_sizes_and_a_share_is_autos_alone():
         "auto:max_kv_bytes=9MB",
         "auto:max_kv_bytes=35%",
     ]
-    with pytest.raises(OptionError, match="auto's target") as e:
-        expand(["auto", "kvzip"], max_kv_bytes=["20%"])
+    arms = expand(["auto", "kvzip"], max_kv_bytes=["20%"])
+    assert [a.label for a in arms] == [
+        "auto:max_kv_bytes=20%",
+        "kvzip:max_kv_bytes=20%",
+    ]
+    with pytest.raises(OptionError, match="is ours and auto's") as e:
+        expand(["auto", "mlx.rotating"], max_kv_bytes=["20%"])
     assert "\n" not in str(e.value)
 
 
@@ -389,7 +394,7 @@ def test_eval_refuses_a_bad_auto_arm_in_one_line_before_loading(fixture_table):
         ["--arms", "auto"],  # no target
         ["--arms", "auto:budget=64", "--max-kv-bytes", "20%"],
         ["--arms", "auto", "--max-kv-bytes", "0%"],
-        ["--arms", "auto,snapkv", "--max-kv-bytes", "20%"],
+        ["--arms", "auto,mlx.rotating", "--max-kv-bytes", "20%"],
     ):
         result = runner.invoke(main, ["eval", "--model", "/nonexistent", *args])
         assert result.exit_code == 2, (args, result.output)

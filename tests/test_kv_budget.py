@@ -296,3 +296,60 @@ def test_arms_at_equal_bytes_hold_at_most_those_bytes():
     results = evaluate_continuation(model, arms, ids[:120], ids[120:], 32)
     for r in results:
         assert 0.3 * limit < r.kv_bytes <= limit, (r.arm, r.kv_bytes)
+
+
+def test_a_share_prices_a_named_algorithm_by_each_prompts_length():
+    """max_kv_bytes="20%" with an algorithm you name: the rows are what 20% of
+    each prompt's full KV buys it, priced as that many bytes would be, wherever
+    the prompt is known (make_cache(n_tokens=), prefill, generate, eval's arms)."""
+    from veloxpatch import pricing
+    from veloxpatch.eval.arms import Arm, chosen
+
+    model = tiny_model("llama")
+    opts = dict(window=4)
+    for n in (120, 240):
+        size = pricing.full_bytes(model, n) // 5
+        with veloxpatch.patched(model, "snapkv", max_kv_bytes=size, **opts) as p:
+            bytes_budget = p.options.budget
+        with veloxpatch.patched(model, "snapkv", max_kv_bytes="20%", **opts) as p:
+            assert p.make_cache(n_tokens=n)[0].options.budget == bytes_budget
+            caches = p.prefill(prompt_tokens(n).tolist())
+            assert caches[0].options.budget == bytes_budget
+            assert sum(c.nbytes for c in caches) <= size
+        arm = chosen(model, Arm("snapkv", {"max_kv_bytes": "20%", **opts}), n)
+        assert arm.options["max_kv_bytes"] == size
+    with veloxpatch.patched(model, "snapkv", max_kv_bytes="20%", **opts) as p:
+        with pytest.raises(OptionError, match="sets the rows by each prompt"):
+            p.make_cache()  # no prompt known
+    for bad, match in (("kivi", "takes no max_kv_bytes"), ("snapkv", "at most 100%")):
+        with pytest.raises(OptionError, match=match):
+            veloxpatch.apply(
+                model, bad, max_kv_bytes="120%" if bad == "snapkv" else "20%"
+            )
+        assert veloxpatch.api.patch_of(model) is None
+
+
+def test_compress_takes_a_share_for_a_named_algorithm(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+    from test_kvzip import TOK
+
+    from veloxpatch import pricing
+    from veloxpatch.caches.io import load_cache
+    from veloxpatch.cli import main
+    from veloxpatch.loading import models
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(models, "load", lambda *a, **k: (model, TOK))
+    context = tmp_path / "doc.txt"
+    context.write_text("word " * 60)
+    args = ["compress", "--algo", "snapkv", "--algo-arg", "window=4", "--no-chat"]
+    out = tmp_path / "doc.safetensors"
+    res = CliRunner().invoke(
+        main, [*args, "--max-kv-bytes", "20%", "--context", context, "--out", out]
+    )
+    assert res.exit_code == 0, res.output
+    size = pricing.full_bytes(model, len(TOK.encode(context.read_text()))) // 5
+    with veloxpatch.patched(model, "snapkv", max_kv_bytes=size, window=4) as p:
+        caches, meta = load_cache(out, return_metadata=True)
+        assert caches[0].options.budget == p.options.budget
+    assert f'"max_kv_bytes": {size}' in meta["options"]  # bytes, not the share

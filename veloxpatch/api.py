@@ -25,7 +25,7 @@ from .caches.phase import PromptPhase
 from .context import prefill
 from .errors import OptionError, PatchStateError, UnsupportedModelError
 from .loading.models import tokenizer_of
-from .pricing import held_rows, parse_size
+from .pricing import held_rows, parse_size, split_share
 from .registry import algorithm, algos, make_options  # noqa: F401 (api's names)
 
 _MISSING = object()
@@ -56,6 +56,7 @@ class Patch:
         self._make = cache_cls.for_options(options)
         self._by_budget: dict = {}  # max_kv_size -> (class, options)
         self.auto = None  # auto.Choice, where algo="auto" chose this algorithm
+        self.share = None  # pricing.Target: a named algorithm's max_kv_bytes="20%"
         self._by_tokens: dict = {}  # a share target: prompt tokens -> options
         self.active = False
         self._prior_make_cache = _MISSING
@@ -111,25 +112,33 @@ class Patch:
     def _share_target(self) -> bool:
         # a choice made for one prompt (the CLI's) has that prompt's rows
         auto = self.auto
+        if self.share is not None:
+            return True
         return (
             auto is not None and auto.target.ratio is not None and auto.measured_length
         )
 
     def options_for_tokens(self, n_tokens):
         """This patch's options with the rows its share target buys for a
-        prompt of `n_tokens` (algo="auto" with max_kv_bytes="20%")."""
-
+        prompt of `n_tokens` (max_kv_bytes="20%": auto's rows, or a named
+        algorithm's max_kv_bytes in bytes, priced as it prices any size)."""
+        target = self.share if self.share is not None else self.auto.target
         if n_tokens is None:
             raise OptionError(
-                f"max_kv_bytes={self.auto.target} sets the rows by each prompt's "
+                f"max_kv_bytes={target} sets the rows by each prompt's "
                 "length, and these caches were made with no prompt; use "
                 "patch.prefill(tokens), patch.make_cache(n_tokens=...), mlx-lm's "
                 "generate functions, or a size like '24MB'"
             )
         if n_tokens not in self._by_tokens:
-            given = {k: v for k, v in self.requested.items() if k != "budget"}
+            drop = ("budget", "max_kv_bytes")
+            given = {k: v for k, v in self.requested.items() if k not in drop}
             given = files_of(self.options) | given
-            opts = held_rows(self.model, self.algo, self.auto.target, n_tokens, given)
+            if self.share is not None:
+                size = self.share.bytes_for(self.model, n_tokens)
+                opts = given | {"max_kv_bytes": size}
+            else:
+                opts = held_rows(self.model, self.algo, target, n_tokens, given)
             self._by_tokens[n_tokens] = make_options(self.cache_cls, opts, self.model)[
                 1
             ]
@@ -297,6 +306,7 @@ def apply(
     if algo == "auto":
         choice = auto.resolve(model, options, auto_path)
         algo, options = choice.algo, choice.options
+    options, share = split_share(algo, options)  # rows set by each prompt
     mlx_lm_internals.check()  # once per process: what we rely on is unchanged
     adapter = adapter_for(model)
     cache_cls, opts = make_options(algo, options, model)
@@ -317,7 +327,7 @@ def apply(
     if tokenizer is None:
         tokenizer = tokenizer_of(model)
     patch = Patch(model, adapter, sites, cache_cls, opts, options, tokenizer)
-    patch.auto = choice
+    patch.auto, patch.share = choice, share
     patch._install()
     if choice is not None:
         logging.getLogger("veloxpatch.auto").info("%s", choice.line())

@@ -37,6 +37,8 @@ __all__ = [
     "parse_size",
     "parse_target",
     "smallest_target",
+    "split_share",
+    "share_in_bytes",
 ]
 
 
@@ -165,3 +167,25 @@ def held_rows(model, algo: str, target: Target, n_tokens: int, options: dict):
     share = f"{math.ceil(1000 * need / full) / 10:g}%"
     fix = share if target.ratio is not None else f"{need:,} bytes"
     raise OptionError(f"{head}; the smallest target that works is {fix}")
+
+
+def split_share(algo: str, options: dict) -> tuple[dict, Target | None]:
+    """A named algorithm's options without a `max_kv_bytes` share ("20%"), and
+    the share: its rows are set where each prompt's length is known (bytes
+    stay in the options). OptionError where the algorithm has no budget."""
+    value = options.get("max_kv_bytes")
+    if not (isinstance(value, str) and "%" in value):
+        return options, None
+    target = parse_target(value)
+    if "max_kv_bytes" not in algorithm(algo).Options.option_names():
+        raise OptionError(f"{algo!r} keeps every token: it takes no max_kv_bytes")
+    return {k: v for k, v in options.items() if k != "max_kv_bytes"}, target
+
+
+def share_in_bytes(model, algo: str, options: dict, n_tokens: int) -> dict:
+    """`options` with a `max_kv_bytes` share as the bytes it is of a prompt of
+    `n_tokens` (where the prompt is known first: the CLI's generate, compress)."""
+    rest, share = split_share(algo, options)
+    if share is None:
+        return options
+    return rest | {"max_kv_bytes": share.bytes_for(model, n_tokens)}

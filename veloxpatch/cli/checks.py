@@ -329,7 +329,9 @@ def check_before_load(algo: str, options: dict, max_peak_bytes) -> None:
     elif max_peak_bytes is not None:
         raise UserError("--max-peak-bytes is auto's (no --algo, or --algo auto)")
     else:
-        make_options(algo, options)
+        from ..pricing import split_share
+
+        make_options(algo, split_share(algo, options)[0])  # a share: per prompt
         refuse_missing_calibration(algo, options)
 
 

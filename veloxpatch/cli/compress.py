@@ -54,8 +54,8 @@ def split_turn(tokenizer, text: str, chat: bool | None):
     "--max-kv-bytes",
     default=None,
     metavar="SIZE",
-    help="KV bytes held once compressed, e.g. 15MB, or (auto) a share of the "
-    "context's full KV, e.g. 20%",
+    help="KV bytes held once compressed, e.g. 15MB, or a share of the context's "
+    "full KV, e.g. 20%",
 )
 @click.option(
     "--max-peak-bytes",
@@ -88,6 +88,7 @@ def compress(
     from ..caches.options import absolute_paths, files_of
     from ..loading.models import load
     from ..memory import full_kv_bytes, kv_bytes
+    from ..pricing import share_in_bytes
 
     algo = algo or ("auto" if max_kv_bytes is not None else "kvzip")
     options = algo_options(budget, algo_args, max_kv_bytes)
@@ -102,6 +103,7 @@ def compress(
     if algo == "auto":  # chosen for this context: its length is known
         choice = choose_auto(m, options, max_peak_bytes, "compress", len(ids))
         algo, options = choice.algo, choice.options
+    options = share_in_bytes(m, algo, options, len(ids))  # a named algorithm's
     start = time.perf_counter()
     with apply(m, algo=algo, **options) as patch:
         patch.auto = choice

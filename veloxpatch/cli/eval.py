@@ -70,6 +70,7 @@ def _check_arms(arms):
     from ..api import make_options
     from ..auto import check_options, load_table
     from ..eval.arms import AUTO, is_peer
+    from ..pricing import split_share
 
     runnable, skipped = [], []
     for arm in arms:
@@ -79,7 +80,8 @@ def _check_arms(arms):
             runnable.append(arm)
             continue
         if not is_peer(arm.algo):
-            make_options(arm.algo, arm.options)  # unknown names raise here
+            # unknown names raise here; a share is priced per prompt
+            make_options(arm.algo, split_share(arm.algo, arm.options)[0])
             refuse_missing_calibration(arm.algo, dict(arm.options))
             runnable.append(arm)
             continue
@@ -149,9 +151,9 @@ common = [
         "--max-kv-bytes",
         default="",
         metavar="SIZES",
-        help="KV bytes, e.g. 6MB,12MB,24MB (auto also takes shares of the full KV, "
-        "e.g. 20%): every arm with a budget (ours, mlx.rotating, auto) runs at each "
-        "as its max_kv_bytes; the others once",
+        help="KV bytes, e.g. 6MB,12MB,24MB, or shares of each prompt's full KV, "
+        "e.g. 20% (not mlx.rotating): every arm with a budget (ours, mlx.rotating, "
+        "auto) runs at each as its max_kv_bytes; the others once",
     ),
     click.option("--out", type=OutputFile(), required=True, help="results JSON"),
     click.option("--force", is_flag=True, help="overwrite --out (and --plot)"),

@@ -35,8 +35,8 @@ from .checks import (
     "--max-kv-bytes",
     default=None,
     metavar="SIZE",
-    help="instead of --budget: KV bytes held, e.g. 48MB (the budget follows); "
-    "with auto also a share of the prompt's full KV, e.g. 20%",
+    help="instead of --budget: KV bytes held once the prompt is read, e.g. 48MB, "
+    "or a share of the prompt's full KV, e.g. 20% (the budget follows)",
 )
 @click.option(
     "--max-peak-bytes",
@@ -108,6 +108,7 @@ def generate(
     from ..caches.options import files_of
     from ..loading.models import chat_prompt, load
     from ..memory import full_kv_bytes, kv_bytes
+    from ..pricing import share_in_bytes
     from .text import read_prompt
 
     if cache_path is not None:
@@ -143,9 +144,10 @@ def generate(
     if algo == "auto":  # chosen for this prompt: its length is known
         choice = choose_auto(m, options, max_peak_bytes, "generate", len(prompt))
         algo, options = choice.algo, choice.options
+    options = share_in_bytes(m, algo, options, len(prompt))  # a named algorithm's
     with apply(m, algo=algo, tokenizer=tokenizer, **options) as patch:
         patch.auto = choice
-        caches = caches if caches is not None else patch.make_cache()
+        caches = caches or patch.make_cache(n_tokens=len(prompt))
         last = None
         mx.synchronize()
         mx.reset_peak_memory()

@@ -10,6 +10,7 @@ from ..auto import resolve
 from ..caches import ALGORITHMS  # here: importing arms loads no mlx
 from ..errors import OptionError
 from ..option_text import parse_pairs
+from ..pricing import share_in_bytes
 
 
 @dataclass
@@ -65,9 +66,12 @@ def bind_to(model, arms) -> None:
 
 def chosen(model, arm: Arm, n_tokens: int, path: str = "generate") -> Arm:
     """`arm` itself, or for an `auto` arm the configuration auto picks for a
-    prompt of `n_tokens` on `path` (as `veloxpatch generate` would)."""
+    prompt of `n_tokens` on `path` (as `veloxpatch generate` would); a share
+    given to one of ours is the bytes it is of this prompt's full KV."""
     if arm.algo != AUTO:
-        return arm
+        if is_peer(arm.algo):
+            return arm
+        return Arm(arm.algo, share_in_bytes(model, arm.algo, arm.options, n_tokens))
 
     choice = resolve(model, arm.options, path, n_tokens)
     return Arm(choice.algo, choice.options)
@@ -105,12 +109,12 @@ def parse_arm(text: str) -> Arm:
 
 def expand(arm_texts, budgets=(), max_kv_bytes=()) -> list[Arm]:
     """Parse arms; arms that take a budget and name none get each of `budgets`,
-    or each of the sizes in `max_kv_bytes` as theirs (ours, mlx.rotating and
-    auto, which alone takes shares like "20%"; the others, mlx.quantized
-    included, run once, at their own size)."""
+    or each of the sizes in `max_kv_bytes` as theirs (ours and auto, which
+    also take shares like "20%" of each prompt's full KV, and mlx.rotating;
+    the others, mlx.quantized included, run once, at their own size)."""
     if budgets and max_kv_bytes:
         raise OptionError("give budgets or max_kv_bytes sizes, not both")
-    shares = [m for m in max_kv_bytes if "%" in str(m)]  # auto's rows follow the prompt
+    shares = [m for m in max_kv_bytes if "%" in str(m)]  # rows follow the prompt
     arms = []
     for text in arm_texts:
         arm = parse_arm(text)
@@ -118,9 +122,9 @@ def expand(arm_texts, budgets=(), max_kv_bytes=()) -> list[Arm]:
         if budgets and takes_budget(arm.algo) and not priced:
             arms += [Arm(arm.algo, {**arm.options, "budget": b}) for b in budgets]
         elif max_kv_bytes and takes_bytes(arm.algo) and not priced:
-            if shares and arm.algo != AUTO:
+            if shares and is_peer(arm.algo):
                 raise OptionError(
-                    f"a share of the full KV ({shares[0]}) is auto's target; give "
+                    f"a share of the full KV ({shares[0]}) is ours and auto's; give "
                     f"{arm.algo} a size like 24MB ({arm.algo}:max_kv_bytes=24MB)"
                 )
             arms += [
