@@ -75,15 +75,16 @@ from .reconstruct import OVERLAP, model_forward, reconstruct
 @dataclasses.dataclass
 class KVzipOptions(ModelWideOptions):
     """`budget`: mean rows per layer and KV head (sinks included). `floor`,
-    `window`, `tail`, `layerwise`: `ModelWideOptions`. `chunk`: tokens of
+    `window`, `tail`, `layerwise`: `ModelWideOptions`. `repeat_chunk`: tokens of
     context per reconstruction chunk. `plus`: KVzip+ (Jegou et al. 2026,
     KVzap), each probability times ||W_o v|| of its query head over ||x|| of
     the repeat query's attention input: what the pair adds to the residual
     stream. `recent`: the context's newest rows every head keeps, like the
-    sinks."""
+    sinks. (`repeat_chunk`, not `chunk`: elsewhere `chunk` is the prompt tokens
+    between cuts.)"""
 
     recent: int = option(0, check_int, 0)
-    chunk: int = option(2048, check_int, OVERLAP + 1)
+    repeat_chunk: int = option(2048, check_int, OVERLAP + 1)
     plus: bool = option(False, check_bool)
 
     def recent_rows(self):

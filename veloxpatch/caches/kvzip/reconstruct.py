@@ -44,7 +44,7 @@ def reconstruct(model, caches, zipped, context, tokenizer) -> None:
     start = zipped[0].offset - len(context)
     for c in zipped:
         c.begin_reconstruction(start)
-    for rng, ids in repeat_inputs(context, tokenizer, o.chunk, start):
+    for rng, ids in repeat_inputs(context, tokenizer, o.repeat_chunk, start):
         for c in zipped:
             c.repeat = c.rows_of(rng)
         # mlx-lm's caches (sliding-window layers) would lose context to the
