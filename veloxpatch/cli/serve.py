@@ -116,8 +116,8 @@ class ServeCommand(click.Command):
     "--max-kv-bytes",
     default=None,
     metavar="SIZE",
-    help="instead of --budget: KV bytes each sequence holds, e.g. 48MB (the "
-    "budget follows), as in generate",
+    help="instead of --budget: KV bytes each sequence holds once its prompt is "
+    "read, e.g. 48MB (the budget follows); a size, not a share, here",
 )
 @click.option(
     "--algo-arg",
@@ -207,6 +207,7 @@ def serve(
 
     algo = algo or ("auto" if max_kv_bytes is not None else "full")
     options = algo_options(budget, algo_args, max_kv_bytes)
+    refuse_share(options)
     if algo == "auto":
         check_serve_auto(options, compress_system_prompt)
     try:
@@ -270,17 +271,23 @@ def serve(
     )
 
 
+def refuse_share(options: dict) -> None:
+    """A share ("20%") sets rows by each prompt, which the server's caches are
+    made without: one line, for auto and a named algorithm alike."""
+    value = options.get("max_kv_bytes")
+    if isinstance(value, str) and "%" in value:
+        raise UserError(
+            "veloxpatch serve takes --max-kv-bytes as a size per sequence, e.g. "
+            "15MB (a share of each prompt's full KV is for generate, compress, "
+            "eval and the Python API, which know the prompt first)"
+        )
+
+
 def check_serve_auto(options: dict, compress_system_prompt: bool) -> None:
     """auto on the server: chosen once at load for a size per sequence (a
     request's own max_kv_bytes re-prices the rows of that choice)."""
-    from ..pricing import parse_target
     from .checks import check_auto
 
     check_auto(options, None)
-    if parse_target(options["max_kv_bytes"], "--max-kv-bytes").ratio is not None:
-        raise UserError(
-            "veloxpatch serve takes --max-kv-bytes as a size per sequence, e.g. "
-            "15MB (a share of each prompt's full KV is generate's and compress's)"
-        )
     if compress_system_prompt:
         raise UserError("--compress-system-prompt needs --algo kvzip, not auto")
