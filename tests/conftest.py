@@ -83,3 +83,22 @@ def pytest_sessionfinish(session, exitstatus):
         lines = "\n".join(f"  pid {pid}: {cmd[:160]}" for pid, cmd in left)
         print(f"\nprocesses started by the tests outlived them (killed now):\n{lines}")
         session.exitstatus = 1
+
+
+# The longest tests (tens of seconds each) go first, so that two workers end
+# together instead of one finishing a long test alone at the end.
+LONGEST_FIRST = (
+    "test_sharded.py::",  # one module fixture runs the ranks for all its tests
+    "test_smollm.py::test_demo_chooses_and_answers_about_the_document",
+    "test_readme.py::test_the_first_python_example_answers",
+    "test_cli_eval.py::test_eval_writes_tables_raw_rows_and_reports_skipped",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        where = item.nodeid.split("/")[-1]
+        hits = [i for i, p in enumerate(LONGEST_FIRST) if where.startswith(p)]
+        return hits[0] if hits else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
