@@ -98,6 +98,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow  # the soak script end to end: research tooling
 def test_a_short_run_against_a_stand_in_server(tmp_path):
     args = bs.parse_args(
         ["--users", "1", "--minutes", "0.05", "--sample-s", "0.5"]
