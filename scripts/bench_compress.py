@@ -4,7 +4,9 @@ prefill of the same tokens (mlx-lm's own cache, 2,048-token steps), in one
 run: median seconds of interleaved repeats, and mx's peak memory while reading
 above what was in use before (the weights excluded). Every configuration holds
 20% of the prompt's full KV once it is read (`pricing.held_options`); `auto` is
-what `veloxpatch compress --max-kv-bytes 20%` picks for that prompt.
+what `veloxpatch compress --max-kv-bytes 20%` picks for that prompt, and `auto
+generate` what `veloxpatch generate` picks, reading it through mlx-lm's generate
+(one token generated).
 
     .venv/bin/python scripts/bench_compress.py --contexts 2000,8000 --repeats 3 \\
         --out scripts/results/bench_compress.json
@@ -27,6 +29,7 @@ from veloxpatch import blas
 blas.preload()
 
 import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
 import veloxpatch  # noqa: E402
@@ -52,6 +55,7 @@ ARMS = {
     "kvzap 4-bit r0": {"kv_bits": 4, "kv_residual": 0, "scorer": SCORER},
     "snapkv": {},
     "auto": None,  # compress's pick at 20% for this prompt
+    "auto generate": None,  # generate's pick, read by mlx-lm's generate
 }
 
 
@@ -72,6 +76,13 @@ def compressed(model, tokenizer, algo, options, ids) -> float:
         return time.perf_counter() - start
 
 
+def generated(model, tokenizer, algo, options, ids) -> float:
+    with veloxpatch.patched(model, algo, tokenizer=tokenizer, **options):
+        start = time.perf_counter()
+        mlx_lm.generate(model, tokenizer, ids, max_tokens=1, prefill_step_size=STEP)
+        return time.perf_counter() - start
+
+
 def measured(fn, *args) -> tuple[float, int]:
     """(seconds, mx peak above what was in use before)."""
     mx.clear_cache()
@@ -86,8 +97,9 @@ STATED = {}  # (context, "auto") -> the peak auto's line states
 
 def arm_options(model, name: str, n: int):
     """(algorithm, options) of an arm for an n-token prompt."""
-    if name == "auto":
-        choice = auto.choose(model, f"{SHARE:.0%}", "compress", n_tokens=n)
+    if name.startswith("auto"):
+        path = "generate" if name == "auto generate" else "compress"
+        choice = auto.choose(model, f"{SHARE:.0%}", path, n_tokens=n)
         print(f"{n:>6} {choice.line()}", flush=True)
         STATED[n, name] = choice.peak_bytes
         return choice.algo, choice.options
@@ -122,16 +134,18 @@ def main():
         # an arm that runs what an earlier one runs (auto's pick) shares its runs
         runs, timed = {"unpatched": []}, []
         for name, run in arms.items():
-            first = next(k for k, r in arms.items() if r == run)
+            gen = name == "auto generate"  # read another way: never shared
+            first = next(
+                k for k, r in arms.items() if r == run and (k == "auto generate") == gen
+            )
             runs[name] = runs[first] if first != name else []
             timed += [name] if first == name else []
         for _ in range(args.repeats):  # interleaved, so drift hits every arm
             runs["unpatched"].append(measured(unpatched, model, ids))
             for name in timed:
                 algo, options = arms[name]
-                runs[name].append(
-                    measured(compressed, model, tokenizer, algo, options, ids)
-                )
+                read = generated if name == "auto generate" else compressed
+                runs[name].append(measured(read, model, tokenizer, algo, options, ids))
         base_s = statistics.median(s for s, _ in runs["unpatched"])
         base_peak = statistics.median(p for _, p in runs["unpatched"])
         for name, got in runs.items():
