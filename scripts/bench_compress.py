@@ -207,6 +207,9 @@ def write_markdown(out, res: dict) -> Path:
         f"x peak at {then}",
         "auto's stated peak MB",
     ]
+    if then is None:  # no earlier run: its columns left out
+        head = [h for i, h in enumerate(head) if i not in (4, 7)]
+        rows = [[c for i, c in enumerate(r) if i not in (4, 7)] for r in rows]
     body = [
         "Reading a document and compressing it to 20% of its full KV (`Patch."
         "prefill`), against the unpatched model's prefill of the same tokens in "
