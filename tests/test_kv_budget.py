@@ -1,7 +1,5 @@
 """`max_kv_bytes`: budgets priced in bytes (caches/kv_budget.py)."""
 
-import re
-
 import mlx.core as mx
 import pytest
 from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
@@ -144,10 +142,9 @@ def test_rows_within_the_residual_cost_what_dense_rows_cost():
 
 def test_the_query_recipe_prices_its_dense_sink_and_rounding_factor():
     # each KV head holds its first row dense, and an 8-bit triangle a head
-    from model_adapters import adapter_for
     from veloxpatch import KVQuant
     from veloxpatch.caches import ALGORITHMS
-    from veloxpatch.caches.kv_budget import bound_bytes, slot_bytes
+    from veloxpatch.caches.kv_budget import slot_bytes
 
     model = tiny_model("llama", head_dim=32)
     dims = adapter_for(model).dims(model)
@@ -164,8 +161,6 @@ def test_the_query_recipe_prices_its_dense_sink_and_rounding_factor():
 def test_kvzap_prices_the_tail_it_holds_while_the_prompt_is_read():
     # its bound covers the prompt (budget + a chunk): the tail's queries and
     # their hidden states are held then, on top of the rows
-    from model_adapters import adapter_for
-    from veloxpatch.caches.kv_budget import bound_bytes
 
     model = tiny_model("llama", head_dim=32)
     dims = adapter_for(model).dims(model)
@@ -204,26 +199,27 @@ def test_bad_budgets_are_clear_errors_that_change_nothing(opts, match):
     assert veloxpatch.api.patch_of(model) is None
 
 
-def test_a_chunk_too_large_for_the_bytes_is_refused_with_one_that_fits():
-    """compress="chunks" holds budget + one chunk: where the chunk alone takes
-    the bytes, the error names the largest halved chunk that buys a budget,
-    and that budget is what the options then get."""
+def test_the_bytes_buy_the_same_rows_whoever_chose_and_whatever_the_chunk():
+    """max_kv_bytes is what is held once the prompt is read: a chunk read past
+    the budget does not change the rows it buys (snapkv's chunks, kvzap's),
+    and auto's pricing (`pricing.held_options`) is the algorithm's own."""
+    from veloxpatch import pricing
+
     model = tiny_model("llama", head_dim=32)
-    dims = adapter_for(model).dims(model)
-    chunked = dict(window=4, compress="chunks")
-    with veloxpatch.patched(model, "snapkv", budget=40, chunk=16, **chunked) as p:
-        limit = int(bound_bytes(p.options, dims, 4, 40))
-    with pytest.raises(OptionError, match="besides one chunk") as e:
-        veloxpatch.apply(model, "snapkv", max_kv_bytes=limit, chunk=64, **chunked)
-    assert "\n" not in str(e.value) and veloxpatch.api.patch_of(model) is None
-    chunk, rows = map(
-        int, re.search(r"with chunk=(\d+) it buys (\d+) rows", str(e.value)).groups()
-    )
-    assert chunk == 32
-    with veloxpatch.patched(
-        model, "snapkv", max_kv_bytes=limit, chunk=chunk, **chunked
-    ) as p:
-        assert p.options.budget == rows > 4
+    limit = 200_000
+    bought = set()
+    for opts in (dict(compress="chunks", chunk=16), dict(compress="chunks", chunk=64)):
+        with veloxpatch.patched(
+            model, "snapkv", max_kv_bytes=limit, window=4, **opts
+        ) as p:
+            bought.add(p.options.budget)
+    with veloxpatch.patched(model, "snapkv", max_kv_bytes=limit, window=4) as p:
+        bought.add(p.options.budget)
+    assert len(bought) == 1
+    kvzap = resolve_options(model, dict(scorer=SCORER))
+    with veloxpatch.patched(model, "kvzap", max_kv_bytes=limit, **kvzap) as p:
+        named = p.options.budget
+    assert pricing.held_options(model, "kvzap", limit, kvzap)["budget"] == named
 
 
 def test_algorithms_without_a_budget_refuse_max_kv_bytes():

@@ -139,15 +139,24 @@ def test_kvzip_has_no_chunked_mode():
         veloxpatch.apply(model, "kvzip", budget=24, compress="chunks")
 
 
-def test_max_kv_bytes_bounds_the_peak_in_chunked_mode():
-    """Priced for budget + chunk rows: the bytes held inside every attention
-    call of the prefill stay within max_kv_bytes; prompt-end mode exceeds it."""
+def test_chunked_mode_bounds_reading_to_one_chunk_past_max_kv_bytes():
+    """max_kv_bytes buys both modes the same rows (what is held once the prompt
+    is read); while reading, the chunked mode holds at most one chunk more
+    (its bound with decode=False, what the server reserves), inside every
+    attention call of the prefill; the prompt-end mode holds the prompt."""
+    from model_adapters import adapter_for
+    from veloxpatch.caches.kv_budget import bound_bytes
+
     limit = 60_000
-    peaks = {}
+    peaks, budgets, reading = {}, {}, None
     for mode in ("chunks", "prompt_end"):
         model = tiny_model("llama")
         opts = dict(max_kv_bytes=limit, window=4, compress=mode, chunk=CHUNK)
         with veloxpatch.patched(model, "snapkv", **opts) as patch:
+            budgets[mode] = patch.options.budget
+            if mode == "chunks":
+                dims = adapter_for(model).dims(model)
+                reading = bound_bytes(patch.options, dims, 4, budgets[mode])
             caches = patch.make_cache()
             held = peaks[mode] = []
             for c in caches:
@@ -168,7 +177,9 @@ def test_max_kv_bytes_bounds_the_peak_in_chunked_mode():
 
                 c.attention = attention
             greedy(model, mx.array(PROMPT), 4, 64, prompt_cache=caches)
-    assert max(peaks["chunks"]) <= limit < max(peaks["prompt_end"])
+    assert budgets["chunks"] == budgets["prompt_end"]
+    assert max(peaks["chunks"]) <= reading < max(peaks["prompt_end"])
+    assert reading > limit  # the chunk is on top of what max_kv_bytes bought
 
 
 def test_the_prompt_end_compresses_one_layer_at_a_time():

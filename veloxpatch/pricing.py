@@ -100,9 +100,8 @@ def parse_target(value, name: str = "max_kv_bytes") -> Target:
 
 def held_options(model, algo: str, target_bytes: int, options: dict | None = None):
     """`options` (kv_bits...) with the budget whose bytes held once the prompt
-    is read fit `target_bytes` on `model`: priced for decode, without
-    `max_kv_bytes`'s bound on what reading the prompt holds (kvzap's prompt
-    chunk). Raises OptionError where the target buys too few rows."""
+    is read fit `target_bytes` on `model`, as `max_kv_bytes` prices it for any
+    algorithm. Raises OptionError where the target buys too few rows."""
     given = {k: v for k, v in (options or {}).items() if k != "max_kv_bytes"}
     cls = algorithm(algo)
     if "budget" not in cls.Options.option_names():

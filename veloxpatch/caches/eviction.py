@@ -195,23 +195,22 @@ class EvictionOptions(CacheOptions):
         limit = parse_size(self.max_kv_bytes)
         budget, opts = _bought(type(self), algo, given, model, dims, limit)
         if isinstance(opts, OptionError):
-            chunk = self.prompt_chunk()
-            held = f" besides one chunk ({chunk} rows)" if chunk else ""
             raise OptionError(
                 f"max_kv_bytes={self.max_kv_bytes!r} buys {budget} rows per layer "
-                f"and KV head on this model{held}, too few: {opts}"
-                + _smaller_chunk(type(self), algo, given, model, dims, limit, chunk)
+                f"and KV head on this model, too few: {opts}"
             )
         return opts.bind(model, dims)
 
 
 def _bought(cls, algo, given: dict, model, dims, limit: int):
-    """(the budget `limit` bytes buy with options `given`, those options with
-    it or the OptionError they raise)."""
+    """(the budget `limit` bytes buy with options `given`, held once the prompt
+    is read, as for every algorithm whoever chose it; those options with it or
+    the OptionError they raise)."""
 
     try:
         priced = cls.create(algo, given)
-        budget = budget_for_bytes(priced, dims, kv_dtype_size(model), limit)
+        size = kv_dtype_size(model)
+        budget = budget_for_bytes(priced, dims, size, limit, decode=True)
     except OptionError as e:
         return 0, e
     try:
@@ -220,18 +219,6 @@ def _bought(cls, algo, given: dict, model, dims, limit: int):
         )
     except OptionError as e:
         return budget, e
-
-
-def _smaller_chunk(cls, algo, given: dict, model, dims, limit: int, chunk) -> str:
-    """The largest chunk, halving `chunk` (None: no prompt chunk), under which
-    `limit` buys a valid budget, said as advice ("" if none does)."""
-    chunk = (chunk or 0) // 2
-    while chunk >= 1:
-        budget, opts = _bought(cls, algo, {**given, "chunk": chunk}, model, dims, limit)
-        if not isinstance(opts, OptionError):
-            return f"; with chunk={chunk} it buys {budget} rows"
-        chunk //= 2
-    return ""
 
 
 def head_budgets(scores: mx.array, prefix: int, alpha: float) -> mx.array:

@@ -1,15 +1,15 @@
 """`max_kv_bytes`: a budget priced in bytes, for every algorithm with a budget.
 
 The budget (rows per layer and KV head) is the largest one whose bound on the
-bytes held, over every layer veloxpatch caches and every KV head, is at most
-`max_kv_bytes` (rounded down). The bound counts what `nbytes` counts, per layer
-and KV head, with r = budget + the rows the algorithm holds beyond its budget
-at any point where the cache bounds them (`peak_extra_rows`: one prompt chunk
-with `compress="chunks"`, or snapkv's decode window). Otherwise the budget is
-priced for decode (r = budget + the decode's extra rows, `decode_extra_rows`):
-while the prompt is read the SnapKV family and expected_attention with
-`compress="prompt_end"`, kvzip and qfilters without a file hold the whole
-prompt, the others the caller's prefill chunk, on top of the budget.
+bytes held once the prompt is read, over every layer veloxpatch caches and
+every KV head, is at most `max_kv_bytes` (rounded down): the same meaning
+whoever chose the algorithm. The bound counts what `nbytes` counts, per layer
+and KV head, with r = budget + the rows held beyond it while decoding
+(`decode_extra_rows`: snapkv's window). While the prompt is read a cache holds
+more: one chunk past its budget where it cuts as it reads (`compress="chunks"`,
+kvzap: `peak_extra_rows`, the bound with `decode=False`, which the server
+reserves), else the whole prompt (the SnapKV family and expected_attention at
+the prompt's end, kvzip, qfilters without a file) or the caller's prefill chunk.
 
 - rows in the model's dtype: r x (2 D x dtype size + 4) (keys, values, position);
 - with `kv_bits` (the spec `quant`): r rows, plus (once r passes the residual:
@@ -24,8 +24,8 @@ prompt, the others the caller's prefill chunk, on top of the budget.
 
 Plus what a layer holds besides its rows (`side_bytes`: the SnapKV family's,
 kvzip's and kvzap's buffered queries, expected_attention's query mean and
-covariance, qfilters' query moments; where the bound covers the prompt, what
-only the prompt holds, `prompt_side_bytes`: kvzap's tail queries and inputs)
+covariance, qfilters' query moments; where the bound covers reading the prompt,
+what only the prompt holds, `prompt_side_bytes`: kvzap's tail queries and inputs)
 and per row (`row_side_bytes`: scores, accumulated attention, key norms).
 
 Sliding-window layers keep mlx-lm's own caches and are not counted. Ada-KV
@@ -146,10 +146,11 @@ def bound_bytes(
 
 
 def budget_for_bytes(
-    options, dims, dtype_size: int, limit: int, decode: bool = False
+    options, dims, dtype_size: int, limit: int, decode: bool = True
 ) -> int:
-    """The largest budget whose bound (`decode`: once the prompt has ended) is
-    at most `limit` bytes (0: none)."""
+    """The largest budget whose bound (`decode`: once the prompt is read, as
+    `max_kv_bytes` means; else while reading it too) is at most `limit` bytes
+    (0: none)."""
 
     def fits(budget):
         return bound_bytes(options, dims, dtype_size, budget, decode=decode) <= limit
