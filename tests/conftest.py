@@ -85,8 +85,8 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
-# The longest tests (tens of seconds each) go first, so that two workers end
-# together instead of one finishing a long test alone at the end.
+# The modules of the longest tests (tens of seconds each) go first, so that two
+# workers end together instead of one finishing a long test alone at the end.
 LONGEST_FIRST = (
     "test_sharded.py::",  # one module fixture runs the ranks for all its tests
     "test_smollm.py::test_demo_chooses_and_answers_about_the_document",
