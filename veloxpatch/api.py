@@ -111,9 +111,9 @@ class Patch:
 
     def _share_target(self) -> bool:
         # a choice made for one prompt (the CLI's) has that prompt's rows
-        auto = self.auto
         if self.share is not None:
             return True
+        auto = self.auto
         return (
             auto is not None and auto.target.ratio is not None and auto.measured_length
         )

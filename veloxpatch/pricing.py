@@ -22,8 +22,7 @@ import re
 
 from model_adapters import adapter_for
 
-from .caches.eviction import PLACEHOLDER_BUDGET
-from .caches.kv_budget import bound_bytes, budget_for_bytes, kv_dtype_size, parse_size
+from .caches.kv_budget import bound_bytes, kv_dtype_size, parse_size
 from .errors import OptionError
 from .registry import algorithm, make_options
 
@@ -33,6 +32,7 @@ __all__ = [
     "full_bytes",
     "held_options",
     "held_rows",
+    "is_share",
     "kv_dtype_size",
     "parse_size",
     "parse_target",
@@ -69,6 +69,11 @@ class Target:
         return self.text
 
 
+def is_share(value) -> bool:
+    """Whether a `max_kv_bytes` value is a share of the full KV ("20%")."""
+    return isinstance(value, str) and "%" in value
+
+
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
 
@@ -77,7 +82,7 @@ def parse_target(value, name: str = "max_kv_bytes") -> Target:
     bytes; anything else is one OptionError line."""
     if isinstance(value, Target):
         return value
-    if isinstance(value, str) and "%" in value:
+    if is_share(value):
         m = _PERCENT.match(value)
         share = float(m.group(1)) if m else None
         if share is None or not 0 < share <= 100:
@@ -99,25 +104,15 @@ def parse_target(value, name: str = "max_kv_bytes") -> Target:
 
 
 def held_options(model, algo: str, target_bytes: int, options: dict | None = None):
-    """`options` (kv_bits...) with the budget whose bytes held once the prompt
-    is read fit `target_bytes` on `model`, as `max_kv_bytes` prices it for any
-    algorithm. Raises OptionError where the target buys too few rows."""
-    given = {k: v for k, v in (options or {}).items() if k != "max_kv_bytes"}
-    cls = algorithm(algo)
-    if "budget" not in cls.Options.option_names():
+    """`options` (kv_bits...) with the budget `target_bytes` buy on `model`, as
+    `max_kv_bytes` prices it for any algorithm (what is held once the prompt is
+    read). Raises OptionError where the target buys too few rows."""
+    drop = ("budget", "max_kv_bytes")
+    given = {k: v for k, v in (options or {}).items() if k not in drop}
+    if "budget" not in algorithm(algo).Options.option_names():
         raise OptionError(f"{algo!r} keeps every token: it has no budget")
-    priced = cls.Options.create(cls.name, {**given, "budget": PLACEHOLDER_BUDGET})
-    dims = adapter_for(model).dims(model)
-    limit = int(target_bytes)
-    budget = budget_for_bytes(priced, dims, kv_dtype_size(model), limit, decode=True)
-    try:
-        make_options(algo, {**given, "budget": budget}, model)
-    except OptionError as e:
-        raise OptionError(
-            f"{limit:,} bytes buy {budget} rows per layer and KV head of {algo} "
-            f"on this model, too few: {e}"
-        ) from None
-    return {**given, "budget": budget}
+    bound = make_options(algo, {**given, "max_kv_bytes": int(target_bytes)}, model)[1]
+    return {**given, "budget": bound.budget}
 
 
 def smallest_target(model, algo: str, options: dict, start: int) -> int | None:
@@ -173,7 +168,7 @@ def split_share(algo: str, options: dict) -> tuple[dict, Target | None]:
     the share: its rows are set where each prompt's length is known (bytes
     stay in the options). OptionError where the algorithm has no budget."""
     value = options.get("max_kv_bytes")
-    if not (isinstance(value, str) and "%" in value):
+    if not is_share(value):
         return options, None
     target = parse_target(value)
     if "max_kv_bytes" not in algorithm(algo).Options.option_names():

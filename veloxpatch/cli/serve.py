@@ -274,8 +274,9 @@ def serve(
 def refuse_share(options: dict) -> None:
     """A share ("20%") sets rows by each prompt, which the server's caches are
     made without: one line, for auto and a named algorithm alike."""
-    value = options.get("max_kv_bytes")
-    if isinstance(value, str) and "%" in value:
+    from ..pricing import is_share
+
+    if is_share(options.get("max_kv_bytes")):
         raise UserError(
             "veloxpatch serve takes --max-kv-bytes as a size per sequence, e.g. "
             "15MB (a share of each prompt's full KV is for generate, compress, "

@@ -10,7 +10,7 @@ from ..auto import resolve
 from ..caches import ALGORITHMS  # here: importing arms loads no mlx
 from ..errors import OptionError
 from ..option_text import parse_pairs
-from ..pricing import share_in_bytes
+from ..pricing import is_share, share_in_bytes
 
 
 @dataclass
@@ -114,7 +114,7 @@ def expand(arm_texts, budgets=(), max_kv_bytes=()) -> list[Arm]:
     the others, mlx.quantized included, run once, at their own size)."""
     if budgets and max_kv_bytes:
         raise OptionError("give budgets or max_kv_bytes sizes, not both")
-    shares = [m for m in max_kv_bytes if "%" in str(m)]  # rows follow the prompt
+    shares = [m for m in max_kv_bytes if is_share(m)]  # rows follow the prompt
     arms = []
     for text in arm_texts:
         arm = parse_arm(text)
