@@ -159,7 +159,6 @@ class Patch:
         the one applied (`kv_budget.py` prices it), bound to the model, for
         `make_cache(options=...)`; OptionError where the algorithm has no
         budget or the size buys too few rows."""
-
         limit = parse_size(max_kv_bytes)
         if "max_kv_bytes" not in self.cache_cls.Options.option_names():
             raise OptionError(
@@ -197,7 +196,6 @@ class Patch:
     def prefill(self, tokens, *, tokenizer=None, chunk: int = 2048, context_start=0):
         """The compressed prompt cache of a context, with no question: see
         `veloxpatch.context.prefill`."""
-
         return prefill(
             self, tokens, tokenizer=tokenizer, chunk=chunk, context_start=context_start
         )
@@ -299,7 +297,6 @@ def apply(
     `max_peak_bytes`): the best measured configuration (`veloxpatch.auto`),
     logged in one line and kept as `patch.auto`; `auto_path`: the protocols
     whose worst case counts (`auto.PATHS`; "apply": all three)."""
-
     choice = None
     if algo != "auto" and auto_path != "apply":
         raise OptionError(f"auto_path is algo='auto''s; {algo!r} takes none")

@@ -260,7 +260,6 @@ def _reads(ratio: float | None) -> str:
 def scorer_for(model) -> str | None:
     """kvzap's scorer for this model in the calibration cache, or None (one
     made for another model lives under another fingerprint and is not seen)."""
-
     dims = adapter_for(model).dims(model)
     found = find("kvzap", dims, lambda p: load_scorer(p, dims))
     return found[0] if found is not None else None
@@ -306,7 +305,6 @@ def peak_of(row: dict, table: dict, n_tokens: int) -> int:
 def check_options(options: dict) -> None:
     """The options `algo="auto"` takes, checked without a model: `max_kv_bytes`
     (the target) and `max_peak_bytes`, nothing else."""
-
     other = sorted(set(options) - {"max_kv_bytes", "max_peak_bytes"})
     if other:
         raise OptionError(
@@ -338,7 +336,6 @@ def choose(
 ) -> Choice:
     """Auto's choice for `target` on `path` for a prompt of `n_tokens` (None:
     the table's context length): the rule's row, its rows at the real target."""
-
     target = parse_target(target)
     peak_limit = None
     if max_peak_bytes is not None:

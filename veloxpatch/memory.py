@@ -31,7 +31,6 @@ def full_kv_bytes(caches) -> int:
     `kv_bytes` counts: a KVCache of the same dtype on every veloxpatch layer,
     allocated rows included; layers that keep an mlx-lm cache (sliding-window
     layers) count as they are, as they would be unpatched."""
-
     total = 0
     for c in caches:
         if c.empty():

@@ -19,7 +19,6 @@ def run_probe(model, ids, fn, *, chunk: int = 1024, tick=None) -> list:
     """Run token ids through `model` in calls of `chunk` tokens, calling
     `fn(seen)` (a `caches.base.Seen`) in every patched layer. A model that is
     not patched is patched with `full` for the run. Returns the prompt cache."""
-
     with contextlib.ExitStack() as stack:
         patch = api.patch_of(model)
         if patch is None:

@@ -510,12 +510,10 @@ class VeloxCache(RowStorage):
     @classmethod
     def merge(cls, caches):
         """mlx-lm's batch cache of one layer (BatchGenerator, the server)."""
-
         return merge(cls, caches)
 
     @classmethod
     def batch_of(cls, caches):
         """The batch cache of checked per-sequence caches (default: each keeps
         its own inside the batch; `full` uses mlx-lm's layout)."""
-
         return sequence_batch(caches)

@@ -190,7 +190,6 @@ class EvictionOptions(CacheOptions):
 
     def _priced(self, model, dims):
         """These options with the budget `max_kv_bytes` buys on this model."""
-
         algo, given = getattr(self, "given", ("options", self.as_dict()))
         limit = parse_size(self.max_kv_bytes)
         budget, opts = _bought(type(self), algo, given, model, dims, limit)

@@ -38,7 +38,6 @@ def register_with_mlx_lm() -> None:
     names up in `mlx_lm.models.cache`'s globals (mlx_lm_internals.make_loadable).
     Adds names, replaces none; run by `apply` and `load_cache` (importing
     veloxpatch changes nothing)."""
-
     for cls in ALGORITHMS.values():
         variants = [cls]
         if issubclass(cls, EvictingCache):

@@ -114,7 +114,6 @@ def bound_bytes(
     """Upper bound on the bytes held at `budget` (module doc); `tokens`: the
     most a cache will ever see, whose rows and slots it cannot exceed;
     `decode`: once the prompt has ended (where the bound otherwise covers it)."""
-
     extra = None if decode else options.peak_extra_rows()
     r = budget + (options.decode_extra_rows() if extra is None else extra)
     r = r if tokens is None else min(r, tokens)

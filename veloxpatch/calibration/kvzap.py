@@ -74,7 +74,6 @@ def collect(
     """Per segment (X, Y): per layer X [n, hidden] hidden states entering
     attention and Y [n, Hkv] log `target` scores (KVzip+ or KVzip) at n
     sampled positions (None for sliding-window layers)."""
-
     if api.patch_of(model) is not None:
         raise CalibrationError("kvzap calibration patches the model itself; restore it")
     rng = np.random.default_rng(seed)
@@ -199,7 +198,6 @@ def fit_mlp(
 
 def predict(weights: dict, X: np.ndarray) -> np.ndarray:
     """[n, H] the surrogate's scores of X [n, D] (the cache's own forward)."""
-
     w = {k: mx.array(v, mx.float32) for k, v in weights.items()}
     return np.array(surrogate_scores(w, mx.array(X, mx.float32)[None])[0].T)
 

@@ -96,7 +96,6 @@ def calibrate(
     their held-out report. Progress and the time left go to stderr
     (`progress`) unless `tick` (tokens read) or `fit_tick` (layers fitted)
     take them."""
-
     check_algo(algo)
     ids = prose_tokens(tokenizer, tokens, text)
     shown = None

@@ -56,7 +56,6 @@ def bind_to(model, arms) -> None:
     the model decides (a byte budget's rows, a calibration file's model, a
     group that must divide the head dimension) fails now, not after the arms
     before it have run."""
-
     for arm in arms:
         if arm.algo == AUTO:  # at the table's prompt length
             resolve(model, arm.options, "generate")

@@ -156,7 +156,6 @@ def rotating_options(model, options: dict) -> dict:
     """`mlx.rotating` with `max_kv_bytes`: the rows (max_size) whose keys and
     values, in every full-attention layer and KV head, fit in it (a rotating
     cache holds no positions), rounded down."""
-
     per_row = full_bytes(model, 1)
     limit = options["max_kv_bytes"]
     budget = parse_size(limit) // per_row

@@ -52,7 +52,6 @@ class Budgets:
 
     def of(self, body: dict) -> RequestBudget | None:
         """The request's budget (None: the server's options), or BadRequest."""
-
         field = body.get(FIELD) or {}
         if field.get("max_kv_bytes") is None:
             return None

@@ -49,7 +49,6 @@ TEMP = re.compile(r"^entry-[0-9a-f]{32}\.safetensors\..*\.tmp\.safetensors$")
 
 def server_identity(provider) -> dict:
     """What an entry must have been made by to be loaded by this server."""
-
     fp = json.dumps(fingerprint(provider.model), sort_keys=True)
     return {
         "model": provider.served_name(),
@@ -162,7 +161,6 @@ class DiskEntries:
     def load(self, name: str):
         """(caches, tokens, cache type, kept logits or None) of a stored entry,
         or None (one log line, the file removed) if it does not load whole."""
-
         path = self.dir / name
         try:
             caches, meta, extra = load_cache(

@@ -632,7 +632,6 @@ def kept_for_later(tokens, caches):
     ended (uncompressed, or kvzip's reconstruction-scored cache) is kept
     instead, under the prompt's tokens; nothing where the prompt's own
     evictions read the question's queries (h2o, tova, keyformer)."""
-
     ours = [c for c in caches if isinstance(c, VeloxCache)]
     policy = type(ours[0]).policy_for(ours[0].options) if ours else "as_is"
     if policy == "as_is":

@@ -47,7 +47,6 @@ def batch_support(caches) -> tuple[bool, str]:
     """(can mlx-lm's BatchGenerator take these caches, why not). veloxpatch
     caches say so with `batchable`; mlx-lm's own (sliding-window layers) have
     `merge` when they batch, which is what mlx-lm's server checks."""
-
     for c in caches:
         if c is None:
             continue
@@ -75,7 +74,6 @@ class PatchedModelProvider(ModelProvider):
     def names(self) -> set[str]:
         """The model names a request may give: mlx-lm's default, the path as
         given, its absolute form, and its file or folder name."""
-
         path = Path(self.source) if self.source else embedded_model_path()
         names = {"default_model", str(path), path.name, path.stem}
         if path.exists():

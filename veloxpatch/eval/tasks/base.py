@@ -58,7 +58,6 @@ def require(ok: bool, message: str) -> None:
 
 def check_text(text: str) -> None:
     """A built-in prose half or a readable UTF-8 file (prose.prose reads it)."""
-
     check_source(text)
 
 
