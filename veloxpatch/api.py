@@ -156,7 +156,7 @@ class Patch:
 
     def options_for_bytes(self, max_kv_bytes):
         """This patch's options with the budget `max_kv_bytes` buys in place of
-        the one applied (`kv_budget.py` prices it), bound to the model, for
+        the one applied (`pricing.py`, as everywhere), bound to the model, for
         `make_cache(options=...)`; OptionError where the algorithm has no
         budget or the size buys too few rows."""
         limit = parse_size(max_kv_bytes)
