@@ -170,6 +170,19 @@ def test_a_short_kvzap_request_reserves_what_it_and_its_snapshot_hold(tail):
     assert all(c.tail_x is None and c.tail_queries is None for c in kept)
 
 
+def test_a_kvzap_request_is_priced_below_the_full_cache_it_replaces():
+    # reading holds budget + one chunk, at most the prompt; then the budget and
+    # the snapshot, a compressed cache too: never mlx-lm's whole prompt
+    from veloxpatch.serve.kv import KVEstimate
+
+    model = tiny_model("llama")
+    opts = resolve_options(model, dict(budget=64, chunk=512, scorer=SCORER))
+    with veloxpatch.patched(model, "kvzap", **opts) as patch:
+        est = KVEstimate(patch)
+        for n in (30, 300, 3000):
+            assert est.request_bytes(n, 256) < est.full_bytes(n, 256)
+
+
 def test_the_reservation_counts_the_snapshot():
     from veloxpatch.serve.kv import KVEstimate
 

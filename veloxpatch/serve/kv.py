@@ -4,14 +4,14 @@ The bound covers every request in flight (queued or generating) plus mlx-lm's
 prompt cache. A request reserves an upper bound on the KV bytes it can hold
 before it is queued (its prompt is tokenized for that), and gives it back when
 its response ends:
-- a cache with a budget (eviction): its decode bound (`kv_budget.bound_bytes`,
-  of no more rows than the request's prompt + max_tokens),
-  or the whole prompt at full precision if more, since the others hold at most
-  budget + a prefill chunk; plus the whole prompt for the algorithms whose
-  prompt-end snapshot the prompt cache keeps (`kept_for_later`: the SnapKV
-  family and kvzip), held until the request ends. With `compress="chunks"`
-  the bound alone (budget + one chunk is all a request ever holds); kvzap's
-  plus its decode bound (its prompt-end snapshot, compressed, is held too);
+- a cache with a budget (eviction): the most of what it holds while the prompt
+  is read (the whole prompt, or budget + one chunk where it cuts as it reads:
+  `compress="chunks"`, kvzap) and what it holds after (its decode bound,
+  `kv_budget.bound_bytes`, plus the prompt-end snapshot the prompt cache
+  keeps, `kept_for_later`: the prompt itself for the SnapKV family and kvzip,
+  kvzap's compressed cache), each of no more rows than its tokens. The
+  snapshot is the entry mlx-lm's server would keep; with it, a request whose
+  max_tokens is below the budget holds more than mlx-lm's one cache;
 - any other cache (full, kivi, ...): prompt + max_tokens rows at full precision.
 Rows are rounded up to the 256-row growth step, and positions (4 bytes a row)
 are counted. It is a bound, not a measurement: the per-request log line says
@@ -85,15 +85,18 @@ class KVEstimate:
         if self.budget is None:
             return held + self.patched_row * rows
         # no cache holds more rows than the request has tokens (grown in steps)
-        args = (self.options, self.dims, self.dtype, self.budget, rows)
-        bound = bound_bytes(*args)
-        if self.bounds_prompt:  # kvzap's snapshot: a cache past its prompt
-            snapshot = bound_bytes(*args, decode=True) if self.snapshot else 0
-            return held + int(bound + snapshot)
-        prompt = self.patched_row * full_rows(prompt_tokens)
-        if self.snapshot:
-            return held + int(bound + prompt)
-        return held + int(max(bound, prompt))
+        args = (self.options, self.dims, self.dtype, self.budget)
+        decoding = bound_bytes(*args, rows, decode=True)
+        if self.bounds_prompt:  # reading holds one chunk more, the prompt at most
+            reading = bound_bytes(*args, full_rows(prompt_tokens))
+            # kvzap's snapshot, taken once it compressed: a gather of its rows
+            kept = (
+                bound_bytes(*args, prompt_tokens, decode=True) if self.snapshot else 0
+            )
+        else:  # the whole prompt while it is read, and the snapshot taken then
+            reading = self.patched_row * full_rows(prompt_tokens)
+            kept = reading if self.snapshot else 0
+        return held + int(max(reading, decoding + kept))
 
     def full_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """What mlx-lm's own KVCache would hold for the same request."""
