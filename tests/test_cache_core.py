@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from veloxpatch.caches import ALGORITHMS
+from veloxpatch.caches.kv_budget import holds_of
 from veloxpatch.errors import OptionError
 
 N, HKV, HQ, D = 72, 2, 4, 8
@@ -47,7 +48,7 @@ def kept(cache):
 
 
 def row_bytes(cache):
-    side = cache.options.row_side_bytes(1)  # knorm's norm of each row
+    side = holds_of(cache.options).row_bytes  # knorm's norm of each row
     return (KEYS.dtype.size * D * 2 + 4 + side) * HKV
 
 

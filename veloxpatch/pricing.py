@@ -22,7 +22,7 @@ import re
 
 from model_adapters import adapter_for
 
-from .caches.kv_budget import bound_bytes, kv_dtype_size, parse_size
+from .caches.kv_budget import bound_bytes, holds_of, kv_dtype_size, parse_size
 from .errors import OptionError
 from .registry import algorithm, make_options
 
@@ -32,6 +32,7 @@ __all__ = [
     "full_bytes",
     "held_options",
     "held_rows",
+    "holds_of",
     "is_share",
     "kv_dtype_size",
     "parse_size",

@@ -28,6 +28,7 @@ from .batch import (
     merge,  # a clear error where `batchable` is False
     sequence_batch,
 )
+from .kv_budget import Holds
 from .options import CacheOptions
 from .phase import PromptPhase
 from .storage import PAD_POSITION, RowStorage
@@ -291,6 +292,19 @@ class VeloxCache(RowStorage):
         self.phase.end()
         self.sync_phase()
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "Options" in vars(cls):  # those options are priced by this class
+            cls.Options.cache = cls
+
+    @classmethod
+    def holds(cls, options, heads: int, head_dim: int, dtype_size: int) -> Holds:
+        """What one layer holds besides its budget's rows (`kv_budget.Holds`),
+        with `heads` query heads of `head_dim`: what `max_kv_bytes` prices.
+        An algorithm that buffers queries or keeps statistics declares them
+        here, beside its scores. Default: nothing."""
+        return Holds()
+
     # ---- hooks ----------------------------------------------------------------
     def rotate(self, q, k, rope, offset: int, query_scale):
         """Pre-RoPE q, k of a call -> what attention gets and what is stored
@@ -517,3 +531,6 @@ class VeloxCache(RowStorage):
         """The batch cache of checked per-sequence caches (default: each keeps
         its own inside the batch; `full` uses mlx-lm's layout)."""
         return sequence_batch(caches)
+
+
+CacheOptions.cache = VeloxCache  # options no algorithm declares hold nothing more

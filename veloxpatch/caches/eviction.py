@@ -112,38 +112,10 @@ class EvictionOptions(CacheOptions):
         opts.given = (algo, dict(options))
         return opts
 
-    def decode_extra_rows(self) -> int:
-        """Rows held beyond the budget while decoding (snapkv: its window)."""
-        return 0
-
     def prompt_chunk(self) -> int | None:
         """Prompt tokens between compressions during the prompt, for the
         algorithms that otherwise compress when it ends (`compress="chunks"`)."""
         return None
-
-    def peak_extra_rows(self) -> int | None:
-        """Rows held beyond the budget at any point, prompt included, where the
-        cache bounds them (`compress="chunks"`: a chunk, or the decode's extra
-        rows); None where the caller's prefill chunk or the whole prompt is
-        held on top of the budget while the prompt is read."""
-        chunk = self.prompt_chunk()
-        return None if chunk is None else max(chunk, self.decode_extra_rows())
-
-    def side_bytes(self, heads: int, head_dim: int, dtype_size: int) -> int:
-        """Bytes a layer holds besides its rows, counted in nbytes (per
-        sequence): query buffers, statistics."""
-        return 0
-
-    def prompt_side_bytes(self, heads: int, head_dim: int, dtype_size: int) -> int:
-        """Bytes a layer holds only while the prompt is read, besides
-        `side_bytes` (kvzap's tail queries and their inputs): counted where
-        the bound covers the prompt (`peak_extra_rows`)."""
-        return 0
-
-    def row_side_bytes(self, group: int) -> int:
-        """Bytes each held row costs per KV head besides its key, value and
-        position (its score...; `group`: query heads per KV head)."""
-        return 0
 
     def recent_rows(self) -> int:
         """Newest rows never evicted (subclasses: their window or `recent`)."""
@@ -280,6 +252,12 @@ class RecentOptions(EvictionOptions):
 
 class EvictingCache(VeloxCache):
     Options = EvictionOptions
+
+    @classmethod
+    def holds(cls, options, heads, head_dim, dtype_size):
+        # cutting as it reads (`compress="chunks"`): one chunk past the budget
+        held = super().holds(options, heads, head_dim, dtype_size)
+        return held._replace(reading_rows=options.prompt_chunk())
 
     @classmethod
     def for_options(cls, options):

@@ -56,12 +56,6 @@ class ExpectedAttentionOptions(PromptCompressionOptions):
     def recent_rows(self):
         return self.window
 
-    def decode_extra_rows(self):
-        return self.window  # new rows held until the next recompression
-
-    def side_bytes(self, heads, head_dim, dtype_size):
-        return heads * (head_dim + head_dim**2) * 4  # float32 mean, covariance
-
 
 def mean_rotation(rope, start: int, n: int, dim: int) -> mx.array:
     """R-bar [dim, dim] (float32): the mean over positions start .. start + n - 1
@@ -108,6 +102,13 @@ class ExpectedAttentionCache(EvictingCache):
         "in nbytes); the whole prompt is held until it ends."
     )
     Options = ExpectedAttentionOptions
+
+    @classmethod
+    def holds(cls, options, heads, head_dim, dtype_size):
+        # float32 query mean and covariance; new rows until the next cut
+        side = heads * (head_dim + head_dim**2) * 4
+        held = super().holds(options, heads, head_dim, dtype_size)
+        return held._replace(decode_rows=options.window, side=side)
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)

@@ -20,9 +20,6 @@ from .eviction import RecentOptions
 class H2OOptions(RecentOptions):
     """`recent`: newest rows always kept (`RecentOptions`)."""
 
-    def row_side_bytes(self, group):
-        return 4  # each row's accumulated attention, float32
-
 
 class H2OCache(ProbabilityCache):
     name = "h2o"
@@ -32,6 +29,11 @@ class H2OCache(ProbabilityCache):
     Options = H2OOptions
     row_arrays = ("acc",)
     trim_keeps_queries = True
+
+    @classmethod
+    def holds(cls, options, heads, head_dim, dtype_size):
+        held = super().holds(options, heads, head_dim, dtype_size)
+        return held._replace(row_bytes=4)  # each row's accumulated attention, float32
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)

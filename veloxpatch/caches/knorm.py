@@ -17,9 +17,6 @@ from .eviction import EvictingCache, RecentOptions
 class KNormOptions(RecentOptions):
     """`recent`: newest rows protected from eviction (`RecentOptions`)."""
 
-    def row_side_bytes(self, group):
-        return 4  # each row's key norm, float32
-
 
 class KNormCache(EvictingCache):
     name = "knorm"
@@ -27,6 +24,11 @@ class KNormCache(EvictingCache):
     batchable = True  # one cache per sequence (caches/batch.py)
     summary = "lowest key L2 norm per KV head, sinks protected (no queries needed)"
     Options = KNormOptions
+
+    @classmethod
+    def holds(cls, options, heads, head_dim, dtype_size):
+        held = super().holds(options, heads, head_dim, dtype_size)
+        return held._replace(row_bytes=4)  # each row's key norm, float32
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)

@@ -5,9 +5,9 @@ bytes held once the prompt is read, over every layer veloxpatch caches and
 every KV head, is at most `max_kv_bytes` (rounded down): the same meaning
 whoever chose the algorithm. The bound counts what `nbytes` counts, per layer
 and KV head, with r = budget + the rows held beyond it while decoding
-(`decode_extra_rows`: snapkv's window). While the prompt is read a cache holds
+(`Holds.decode_rows`: snapkv's window). While the prompt is read a cache holds
 more: one chunk past its budget where it cuts as it reads (`compress="chunks"`,
-kvzap: `peak_extra_rows`, the bound with `decode=False`, which the server
+kvzap: `Holds.reading_rows`, the bound with `decode=False`, which the server
 reserves), else the whole prompt (the SnapKV family and expected_attention at
 the prompt's end, kvzip, qfilters without a file) or the caller's prefill chunk.
 
@@ -22,11 +22,13 @@ the prompt's end, kvzip, qfilters without a file) or the caller's prefill chunk.
   bytes per row (its position and its slot); the "query" recipe's rounding
   factor, D (D - 1) / 2 + 4 bytes per KV head.
 
-Plus what a layer holds besides its rows (`side_bytes`: the SnapKV family's,
+Plus what a layer holds besides its rows (`Holds.side`: the SnapKV family's,
 kvzip's and kvzap's buffered queries, expected_attention's query mean and
 covariance, qfilters' query moments; where the bound covers reading the prompt,
-what only the prompt holds, `prompt_side_bytes`: kvzap's tail queries and inputs)
-and per row (`row_side_bytes`: scores, accumulated attention, key norms).
+what only the prompt holds, `Holds.prompt_side`: kvzap's tail queries and
+inputs) and per row (`Holds.row_bytes`: scores, accumulated attention, key
+norms). Each algorithm declares its `Holds` beside its scores, in its cache
+class (`VeloxCache.holds`).
 
 Sliding-window layers keep mlx-lm's own caches and are not counted. Ada-KV
 pads every head to the layer's largest head: that padding depends on the
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 from ..errors import OptionError
 from .kv_bits import HOLE_SHARE
@@ -94,6 +97,25 @@ def kv_dtype_size(model) -> int:
     return 4
 
 
+class Holds(NamedTuple):
+    """What one layer's cache holds besides its budget's rows, per sequence:
+    declared by each algorithm's cache class (`VeloxCache.holds`), priced here."""
+
+    decode_rows: int = 0  # rows held past the budget while decoding (a window)
+    # rows past the budget while the prompt is read, where the cache bounds them
+    # (a chunk: it cuts as it reads); None: the whole prompt is held
+    reading_rows: int | None = None
+    row_bytes: int = 0  # per held row and KV head (a float32 score: 4)
+    side: int = 0  # bytes besides the rows: buffered queries, statistics
+    prompt_side: int = 0  # bytes held only while the prompt is read
+
+
+def holds_of(options, heads: int = 1, head_dim: int = 1, dtype_size: int = 2):
+    """`Holds` of a layer of `heads` query heads under `options`, as the cache
+    class that declares the options says (the rows alone need no shape)."""
+    return options.cache.holds(options, heads, head_dim, dtype_size)
+
+
 def slot_bytes(quant, head_dim: int, dtype_size: int, quantized: bool) -> int:
     """Bytes of one slot of one KV head: a dense row, or one quantized as
     `quant` (a KVQuant) says: codes, a scale and a bias per group."""
@@ -114,20 +136,22 @@ def bound_bytes(
     """Upper bound on the bytes held at `budget` (module doc); `tokens`: the
     most a cache will ever see, whose rows and slots it cannot exceed;
     `decode`: once the prompt has ended (where the bound otherwise covers it)."""
-    extra = None if decode else options.peak_extra_rows()
-    r = budget + (options.decode_extra_rows() if extra is None else extra)
-    r = r if tokens is None else min(r, tokens)
     q = options.quant
     total = 0.0
     layers = zip(dims.heads, dims.kv_heads, dims.head_dims, dims.sliding)
     for heads, kv_heads, d, sliding in layers:
         if sliding:
             continue
-        total += options.side_bytes(heads, d, dtype_size)
-        if extra is not None:  # the bound covers the prompt: what it alone holds
-            total += options.prompt_side_bytes(heads, d, dtype_size)
+        held = holds_of(options, heads, d, dtype_size)
+        reading = not decode and held.reading_rows is not None
+        extra = max(held.reading_rows, held.decode_rows) if reading else None
+        r = budget + (held.decode_rows if extra is None else extra)
+        r = r if tokens is None else min(r, tokens)
+        total += held.side
+        if reading:  # the bound covers the prompt: what it alone holds
+            total += held.prompt_side
         dense = slot_bytes(q, d, dtype_size, False)
-        side = options.row_side_bytes(heads // kv_heads)
+        side = held.row_bytes
         if q is None:
             per_head = r * (dense + 4 + side)
         else:

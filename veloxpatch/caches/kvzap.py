@@ -53,7 +53,7 @@ from .calibration_files import (
     missing,
 )
 from .eviction import PLACEHOLDER_BUDGET, EvictingCache
-from .kvzip.choice import ModelWideOptions, compress_together
+from .kvzip.choice import ModelWideOptions, compress_together, model_wide_holds
 from .kvzip.plus import output_gram, plus_scores
 from .options import check_int, check_number, check_path, option
 from .snapkv import newest_queries_score, newest_query_probs
@@ -98,13 +98,6 @@ class KVzapOptions(ModelWideOptions):
         return self.threshold is None and not self.layerwise  # budget mode
 
     split_hint = "use layerwise=True or a threshold"
-
-    def prompt_side_bytes(self, heads, head_dim, dtype_size):
-        # budget mode: the prompt's newest `tail` queries and their inputs
-        if self.threshold is not None:
-            return 0
-        hidden = self.hidden or heads * head_dim
-        return self.tail * (heads * head_dim + hidden) * dtype_size
 
     @property
     def capped(self) -> bool:
@@ -151,6 +144,18 @@ class KVzapCache(EvictingCache):
         "KV head on average, chosen over the whole model."
     )
     Options = KVzapOptions
+
+    @classmethod
+    def holds(cls, options, heads, head_dim, dtype_size):
+        held = super().holds(options, heads, head_dim, dtype_size)
+        held = model_wide_holds(held, options, heads, head_dim, dtype_size)
+        if options.threshold is not None:
+            return held
+        # budget mode, while reading: the prompt's newest `tail` queries and inputs
+        hidden = options.hidden or heads * head_dim
+        tail = options.tail * (heads * head_dim + hidden) * dtype_size
+        return held._replace(prompt_side=tail)
+
     wants_layer_input = True  # the hidden state entering attention scores
     row_arrays = ("zscore",)
 

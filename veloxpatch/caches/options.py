@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import OptionError
 
@@ -104,6 +104,10 @@ class CacheOptions:
     """Options shared by every algorithm. Subclasses add fields, declared with
     their checks (`option`); checks that relate several fields go in
     `__post_init__`, after calling super (which runs the declared ones)."""
+
+    # the cache class that declares these options (`VeloxCache.Options`): what
+    # it holds at a budget is declared there (`VeloxCache.holds`)
+    cache: ClassVar[type]
 
     def __post_init__(self):
         self.dims = None  # the model's ModelDims, once bound

@@ -38,11 +38,6 @@ class QFiltersOptions(EvictionOptions):
     def recent_rows(self):
         return self.window
 
-    def side_bytes(self, heads, head_dim, dtype_size):
-        if self.filters is not None:
-            return 0  # the file's filters are the model's, not a sequence's
-        return heads * (head_dim * head_dim + 2 * head_dim) * 4  # moments, filter
-
     def __post_init__(self):
         super().__post_init__()
         self.loaded = None  # per layer [Hkv, D], once bound to a model
@@ -68,6 +63,14 @@ class QFiltersCache(EvictingCache):
         "for the end of the prompt and peak memory holds the whole prompt."
     )
     Options = QFiltersOptions
+
+    @classmethod
+    def holds(cls, options, heads, head_dim, dtype_size):
+        held = super().holds(options, heads, head_dim, dtype_size)
+        if options.filters is not None:
+            return held  # the file's filters are the model's, not a sequence's
+        moments = heads * (head_dim * head_dim + 2 * head_dim) * 4  # and filter
+        return held._replace(side=moments)
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)

@@ -42,14 +42,8 @@ class SnapKVOptions(PromptCompressionOptions):
     kernel: int = option(DEFAULT_KERNEL, check_int, 1)
     lookahead: int = option(0, check_int, 0)
 
-    def side_bytes(self, heads, head_dim, dtype_size):
-        return heads * (self.window + self.lookahead) * head_dim * dtype_size
-
     def recent_rows(self):
         return self.window + self.lookahead
-
-    def decode_extra_rows(self):
-        return self.window  # new rows held until the next recompression
 
     def __post_init__(self):
         super().__post_init__()
@@ -117,6 +111,13 @@ class SnapKVCache(EvictingCache):
         "memory: peak memory is unchanged, memory after k tokens is the budget."
     )
     Options = SnapKVOptions
+
+    @classmethod
+    def holds(cls, options, heads, head_dim, dtype_size):
+        # the window's queries (and lookahead's); new rows until the next cut
+        queries = heads * (options.window + options.lookahead) * head_dim
+        held = super().holds(options, heads, head_dim, dtype_size)
+        return held._replace(decode_rows=options.window, side=queries * dtype_size)
 
     def __init__(self, options=None, layer=0, num_layers=1):
         super().__init__(options, layer, num_layers)

@@ -43,7 +43,7 @@ from model_adapters import adapter_for
 from .. import pricing
 from ..caches import VeloxCache
 from ..memory import full_kv_bytes, full_rows, kv_bytes
-from ..pricing import bound_bytes, kv_dtype_size
+from ..pricing import bound_bytes, holds_of, kv_dtype_size
 
 log = logging.getLogger("veloxpatch.serve")
 
@@ -76,8 +76,9 @@ class KVEstimate:
         self.snapshot = patch.cache_cls.policy_for(options) == "prompt"
         self.budget = getattr(options, "budget", None)
         # compress="chunks": that bound holds while the prompt is read too
-        peak = getattr(options, "peak_extra_rows", lambda: None)()
-        self.bounds_prompt = peak is not None
+        self.bounds_prompt = self.budget is not None and (
+            holds_of(options).reading_rows is not None
+        )
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         rows = full_rows(prompt_tokens + max_tokens)

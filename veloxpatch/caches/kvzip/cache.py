@@ -67,7 +67,7 @@ from ..snapkv import (
     window_score,
 )
 from ..storage import padded_to
-from .choice import ModelWideOptions, compress_together
+from .choice import ModelWideOptions, compress_together, model_wide_holds
 from .plus import output_gram, plus_scores
 from .reconstruct import OVERLAP, model_forward, reconstruct
 
@@ -110,6 +110,12 @@ class KVzipCache(EvictingCache):
         "by their last 32 queries instead."
     )
     Options = KVzipOptions
+
+    @classmethod
+    def holds(cls, options, heads, head_dim, dtype_size):
+        held = super().holds(options, heads, head_dim, dtype_size)
+        return model_wide_holds(held, options, heads, head_dim, dtype_size)
+
     wants_token_ids = True  # the patch records prompt ids (reconstruct.py)
     row_arrays = ("zscore",)  # each kept row keeps its score (a later prompt)
 

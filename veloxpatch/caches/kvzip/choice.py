@@ -33,16 +33,6 @@ class ModelWideOptions(EvictionOptions):
     layerwise: bool = option(False, check_bool)
     own_head_budgets = True  # the choice shares rows among heads itself
 
-    def decode_extra_rows(self):
-        return self.window  # generated rows held until the next cut
-
-    def row_side_bytes(self, group):
-        return 4  # each kept row's float32 score (a later choice reads it)
-
-    def side_bytes(self, heads, head_dim, dtype_size):
-        # the decode window's queries (the tail's are gone once the prompt ends)
-        return heads * self.window * head_dim * dtype_size
-
     def chooses_over_layers(self) -> bool:
         """Whether one choice spans every layer (else each layer chooses)."""
         return not self.layerwise
@@ -63,6 +53,15 @@ class ModelWideOptions(EvictionOptions):
             )
         self.load(model, dims)
         return super().bind(model, dims)
+
+
+def model_wide_holds(held, options, heads: int, head_dim: int, dtype_size: int):
+    """`held` (a `kv_budget.Holds`) with what kvzip and kvzap hold besides their
+    rows: each kept row's float32 score (a later choice reads it), the decode
+    window's queries (the tail's are gone once the prompt ends), and the
+    generated rows until the next cut."""
+    queries = heads * options.window * head_dim * dtype_size
+    return held._replace(decode_rows=options.window, row_bytes=4, side=queries)
 
 
 def compress_together(caches: list) -> None:
