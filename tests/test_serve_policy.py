@@ -170,6 +170,26 @@ def test_a_short_kvzap_request_reserves_what_it_and_its_snapshot_hold(tail):
     assert all(c.tail_x is None and c.tail_queries is None for c in kept)
 
 
+@pytest.mark.parametrize("algo, opts", REPLAY_ARMS)
+@pytest.mark.parametrize("n", [20, 250])
+def test_the_reservation_covers_the_request_and_what_it_leaves(algo, opts, n):
+    # the working cache and the entry kept for later, each with its side state;
+    # a prompt shorter than the budget keeps its rows only (the snapshot too)
+    from veloxpatch.memory import kv_bytes
+    from veloxpatch.serve.kv import KVEstimate
+
+    model = tiny_model("llama")
+    prompt = prompt_tokens(n, seed=9).tolist()
+    with veloxpatch.patched(model, algo, **resolve_options(model, opts)) as patch:
+        patch.keep_snapshots = True
+        need = KVEstimate(patch).request_bytes(n, 6)
+        cache = model.make_cache()
+        toks, _ = greedy(model, mx.array(prompt), n=6, prompt_cache=cache)
+        kept = kept_for_later(prompt + toks, cache)[1]
+        held = kv_bytes(cache) + (kv_bytes(kept) if kept is not cache else 0)
+    assert 0 < held <= need, (held, need)
+
+
 def test_a_kvzap_request_is_priced_below_the_full_cache_it_replaces():
     # reading holds budget + one chunk, at most the prompt; then the budget and
     # the snapshot, a compressed cache too: never mlx-lm's whole prompt

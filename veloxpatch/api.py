@@ -76,7 +76,7 @@ class Patch:
         rows of a share target (`algo="auto", max_kv_bytes="20%"`); mlx-lm's
         generate functions give it without asking."""
         asked, kv_bits = mlx_flags.requested()
-        if options is None and self._share_target():
+        if options is None and self.rows_by_prompt():
             n = n_tokens if n_tokens is not None else mlx_flags.prompt_length()
             options = self.options_for_tokens(n)
         mlx_flags.check_kv_bits(kv_bits)
@@ -109,8 +109,10 @@ class Patch:
         self._last_caches = [weakref.ref(c) for c in caches]
         return caches
 
-    def _share_target(self) -> bool:
-        # a choice made for one prompt (the CLI's) has that prompt's rows
+    def rows_by_prompt(self) -> bool:
+        """Whether each prompt's length sets its caches' rows (a share target,
+        `options_for_tokens`); a choice made for one prompt (the CLI's) has
+        that prompt's rows."""
         if self.share is not None:
             return True
         auto = self.auto

@@ -94,6 +94,8 @@ def parse_target(value, name: str = "max_kv_bytes") -> Target:
         return Target(f"{share:g}%", ratio=share / 100)
     if isinstance(value, str) and value.strip().startswith("-"):
         raise OptionError(f"{name} must be positive, got {value!r}")
+    if type(value) is int:  # a number of bytes: its own message
+        return Target(f"{parse_size(value, name):,} bytes", size=value)
     try:
         size = parse_size(value, name)
     except OptionError:

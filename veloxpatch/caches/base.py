@@ -282,6 +282,7 @@ class VeloxCache(RowStorage):
         clones = []
         for c in caches:
             new = c.clone()
+            new.fit_buffer()  # its rows only, not the growth step past them
             new.phase, new.phase_ends = copied, copied.ends
             copied.members.append(weakref.ref(new))
             clones.append(new)

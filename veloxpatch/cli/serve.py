@@ -117,7 +117,8 @@ class ServeCommand(click.Command):
     default=None,
     metavar="SIZE",
     help="instead of --budget: KV bytes each sequence holds once its prompt is "
-    "read, e.g. 48MB (the budget follows); a size, not a share, here",
+    "read, e.g. 48MB, or a share of each request's full KV, e.g. 20% (the "
+    "budget follows, request by request)",
 )
 @click.option(
     "--algo-arg",
@@ -203,16 +204,17 @@ def serve(
 
     from ..api import make_options
     from ..errors import OptionError
-    from ..pricing import parse_size
+    from ..pricing import parse_size, split_share
 
     algo = algo or ("auto" if max_kv_bytes is not None else "full")
     options = algo_options(budget, algo_args, max_kv_bytes)
-    refuse_share(options)
     if algo == "auto":
         check_serve_auto(options, compress_system_prompt)
     try:
-        # fail before the slow load (auto's algorithm is chosen once it loads)
-        cache_cls = None if algo == "auto" else make_options(algo, options)[0]
+        # fail before the slow load (auto's algorithm is chosen once it loads;
+        # a share sets each request's rows)
+        named = None if algo == "auto" else split_share(algo, options)[0]
+        cache_cls = None if algo == "auto" else make_options(algo, named)[0]
     except OptionError as e:
         if max_kv_bytes is None:
             raise
@@ -269,19 +271,6 @@ def serve(
         prompt_cache_dir=prompt_cache_dir,
         prompt_cache_disk_bytes=disk_bytes,
     )
-
-
-def refuse_share(options: dict) -> None:
-    """A share ("20%") sets rows by each prompt, which the server's caches are
-    made without: one line, for auto and a named algorithm alike."""
-    from ..pricing import is_share
-
-    if is_share(options.get("max_kv_bytes")):
-        raise UserError(
-            "veloxpatch serve takes --max-kv-bytes as a size per sequence, e.g. "
-            "15MB (a share of each prompt's full KV is for generate, compress, "
-            "eval and the Python API, which know the prompt first)"
-        )
 
 
 def check_serve_auto(options: dict, compress_system_prompt: bool) -> None:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from ..errors import OptionError
-from ..pricing import parse_size
+from ..pricing import parse_target, smallest_target
 from .checks import FIELD, SIZE_FIELD, BadRequest
 from .kv import KVEstimate
 
@@ -47,38 +47,77 @@ class Budgets:
 
     def __init__(self, patch, model_key: tuple, cap: int | None):
         self.patch, self.model_key, self.cap = patch, model_key, cap
-        self._kept: OrderedDict[int, RequestBudget] = OrderedDict()
+        self._kept: OrderedDict[tuple, RequestBudget] = OrderedDict()
         self._lock = threading.Lock()
+        self._fewest = None  # the options of the fewest rows that work
 
-    def of(self, body: dict) -> RequestBudget | None:
-        """The request's budget (None: the server's options), or BadRequest."""
+    def of(self, body: dict, prompt_tokens: int) -> RequestBudget | None:
+        """The budget of a request with `prompt_tokens` tokens (None: the
+        server's options, as they are), or BadRequest."""
         field = body.get(FIELD) or {}
         if field.get("max_kv_bytes") is None:
             return None
         try:
-            limit = parse_size(field["max_kv_bytes"], SIZE_FIELD)
+            target = parse_target(field["max_kv_bytes"], SIZE_FIELD)
         except OptionError as e:
             raise BadRequest(str(e)) from None
+        limit = target.bytes_for(self.patch.model, prompt_tokens)
         if self.cap is not None and limit > self.cap:
             raise BadRequest(
-                f"{SIZE_FIELD} ({limit:,} bytes) is more than the server's "
-                f"--kv-cap ({self.cap:,} bytes)"
+                f"{SIZE_FIELD} ({target}: {limit:,} bytes) is more than the "
+                f"server's --kv-cap ({self.cap:,} bytes)"
             )
+        key = (*self.model_key, ("max_kv_bytes", target.size or str(target)))
         with self._lock:
-            if limit in self._kept:
-                self._kept.move_to_end(limit)
-                return self._kept[limit]
+            if (limit, key) in self._kept:
+                self._kept.move_to_end((limit, key))
+                return self._kept[limit, key]
         try:
             options = self.patch.options_for_bytes(limit)
         except OptionError as e:
-            raise BadRequest(f"{SIZE_FIELD}: {e}") from None
-        key = (*self.model_key, ("max_kv_bytes", limit))
+            share = f"={target}" if target.ratio is not None else ""
+            raise BadRequest(f"{SIZE_FIELD}{share}: {e}") from None
         budget = RequestBudget(limit, options, KVEstimate(self.patch, options), key)
         with self._lock:
-            self._kept[limit] = budget
+            self._kept[limit, key] = budget
             while len(self._kept) > KEPT:
                 self._kept.popitem(last=False)
         return budget
+
+    def server_options(self, prompt_tokens: int):
+        """The server's options for a prompt of `prompt_tokens`: the patch's
+        own, or under a share the rows it buys for this prompt (a prompt too
+        short for them: the fewest rows the algorithm works with)."""
+        if not self.patch.rows_by_prompt():
+            return self.patch.options
+        try:
+            return self.patch.options_for_tokens(prompt_tokens)
+        except OptionError:
+            return self._fewest_rows()
+
+    def _fewest_rows(self):
+        if self._fewest is None:
+            patch = self.patch
+            drop = ("budget", "max_kv_bytes")
+            given = {k: v for k, v in patch.requested.items() if k not in drop}
+            size = smallest_target(patch.model, patch.algo, given, 1)
+            self._fewest = (
+                patch.options if size is None else patch.options_for_bytes(size)
+            )
+        return self._fewest
+
+    def share_note(self, estimate) -> str:
+        """The log's note of the rows the server's share gave a request."""
+        if not self.patch.rows_by_prompt():
+            return ""
+        return f", {estimate.budget} rows a KV head for this prompt"
+
+    def server_estimate(self, prompt_tokens: int, estimate):
+        """`estimate` (the server's), or, under a share, one of this prompt's
+        rows."""
+        if not self.patch.rows_by_prompt():
+            return estimate
+        return KVEstimate(self.patch, self.server_options(prompt_tokens))
 
 
 class BudgetModel:

@@ -19,7 +19,7 @@ import re
 from typing import NamedTuple
 
 from ..errors import OptionError
-from ..pricing import parse_size
+from ..pricing import parse_target
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 INT32_MAX = 2**31 - 1  # mlx indexes with 32-bit ints: bounds the context sizes
@@ -174,7 +174,7 @@ def _veloxpatch(body: dict) -> None:
         )
     if field.get("max_kv_bytes") is not None:
         try:
-            parse_size(field["max_kv_bytes"], SIZE_FIELD)
+            parse_target(field["max_kv_bytes"], SIZE_FIELD)
         except OptionError as e:
             raise BadRequest(str(e)) from None
 

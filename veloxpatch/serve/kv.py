@@ -96,7 +96,7 @@ class KVEstimate:
             )
         else:  # the whole prompt while it is read, and the snapshot taken then
             reading = self.patched_row * full_rows(prompt_tokens)
-            kept = reading if self.snapshot else 0
+            kept = self.patched_row * prompt_tokens if self.snapshot else 0
         return held + int(max(reading, decoding + kept))
 
     def full_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
@@ -269,8 +269,17 @@ class BoundedPromptCache(LRUPromptCache):
         # the key of the server's options, whose entries the disk holds (None:
         # every key's); a request's own budget keys its entries apart
         self.disk_key = None
+        # (key, fn(tokens) -> caches): a new request's caches under that key,
+        # made for its prompt (the server's share sets rows by each prompt)
+        self.fresh = None
 
     def fetch_nearest_cache(self, model, tokens):
+        cache, rest = self._nearest(model, tokens)
+        if cache is None and self.fresh is not None and self.fresh[0] == model:
+            return self.fresh[1](tokens), list(tokens)  # read from the start
+        return cache, rest
+
+    def _nearest(self, model, tokens):
         handed, self._handed = self._handed, None
         if handed is not None and handed[:2] == (model, list(tokens)):
             return handed[2:]  # fetched (and read on) by keep_system
@@ -434,7 +443,9 @@ class BoundedPromptCache(LRUPromptCache):
         read = 0
         if system_end - start >= 2:  # one token left would be a lone call
             if cache is None or compress is not None:
-                cache, start = make_prompt_cache(model), 0
+                fresh = self.fresh is not None and self.fresh[0] == key
+                new = self.fresh[1](prompt) if fresh else make_prompt_cache(model)
+                cache, start = new, 0
             for piece in prompt_pieces(prompt[start:system_end], prefill_step):
                 model(mx.array(piece)[None], cache=cache)
                 mx.eval([c.state for c in cache])  # as generate_step's prefill

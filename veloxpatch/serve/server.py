@@ -111,7 +111,7 @@ class PatchedModelProvider(ModelProvider):
         if auto:  # from here on the server is what auto chose, by name and options
             self.algo, self.options = self.patch.algo, dict(self.patch.requested)
         self.patch.keep_snapshots = True  # the prompt cache's policy (kv.py)
-        ok, why = batch_support(self.patch.make_cache())
+        ok, why = batch_support(self.patch.make_cache(options=self.patch.options))
         if ok and self.patch.cache_cls.wants_token_ids:
             # mlx-lm's batches hide each sequence's token ids from the patch
             ok, why = False, f"{self.algo} reconstructs each prompt from its ids"
@@ -267,10 +267,15 @@ class Handler(APIHandler):
             provider.load(
                 self.requested_model, self.adapter, self.requested_draft_model
             )
-            budget = state.budgets.of(self.body)  # "veloxpatch": its own budget
             prompt_tokens = self._prompt_tokens(request)
             check_length(prompt_tokens, self.max_tokens, state.limits)
-            estimate = state.estimate if budget is None else budget.estimate
+            # "veloxpatch": its own budget; else the server's, for this prompt
+            budget = state.budgets.of(self.body, prompt_tokens)
+            estimate = (
+                state.budgets.server_estimate(prompt_tokens, state.estimate)
+                if budget is None
+                else budget.estimate
+            )
             need = estimate.request_bytes(prompt_tokens, self.max_tokens)
             state.ledger.admit(need)
         except Refused as e:
@@ -294,7 +299,7 @@ class Handler(APIHandler):
             "(a full cache: %s); %d in flight hold %s, prompt cache %s, cap %s",
             prompt_tokens,
             self.max_tokens,
-            "" if budget is None else f", {budget.note()}",
+            f", {budget.note()}" if budget else state.budgets.share_note(estimate),
             f"{need:,}",
             f"{state.estimate.full_bytes(prompt_tokens, self.max_tokens):,}",
             state.ledger.in_flight,
@@ -614,6 +619,14 @@ def run(
             prompt_cache_dir, prompt_cache_disk_bytes, identity
         )
         prompt_cache.disk_key = provider.model_key  # the entries of its options
+    if provider.patch.rows_by_prompt():  # a share: each new prompt's own rows
+        budgets, patch = state.budgets, provider.patch
+        prompt_cache.fresh = (
+            provider.model_key,
+            lambda tokens: patch.make_cache(
+                options=budgets.server_options(len(tokens))
+            ),
+        )
     state.generator = Generator(provider, prompt_cache)
     state.generator.compress_system = compress_system
     log.info(
