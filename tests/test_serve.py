@@ -4,11 +4,11 @@
 The server is started once for the module (`serving.running_server`: under
 `timeout` in its own process group, killed whole when the module ends, and
 checked gone).
---kv-cap 60MB: a short request reserves ~18.6 MB (the decode bound, with
-snapkv's window of queries, plus its prompt-end snapshot, in 256-row steps of
-46,440 bytes), so three fit and a fourth waits for room; a
-1,500-token prompt (~71 MB at full precision before SnapKV compresses it)
-never fits.
+--kv-cap 40MB: a short request reserves ~11.9 MB (its prompt while it is
+read, one 256-row step of 46,440 bytes; after it, the decode bound with
+snapkv's window of queries plus the prompt-end snapshot of its rows hold
+less), so three fit and a fourth waits for room; a 1,500-token prompt (~71 MB
+at full precision before SnapKV compresses it) never fits.
 """
 
 import concurrent.futures
@@ -28,7 +28,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 @pytest.fixture(scope="module")
 def server():
-    args = ["--algo", "snapkv", "--budget", "64", "--kv-cap", "60MB"]
+    args = ["--algo", "snapkv", "--budget", "64", "--kv-cap", "40MB"]
     with running_server(*args, "--max-tokens", "16") as srv:
         yield srv.url, srv.log
 
@@ -125,7 +125,7 @@ def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server):
 @smollm
 def test_requests_beyond_the_cap_get_503_then_room_comes_back(server):
     url, _ = server
-    # four at once: three fit in 60 MB, the fourth is refused with 503
+    # four at once: three fit in 40 MB, the fourth is refused with 503
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: ask(url), range(4)))
     statuses = sorted(s for s, _ in results)
@@ -244,7 +244,7 @@ def test_a_request_with_its_own_max_kv_bytes_holds_at_most_that(server):
     for field, says in [
         ({"max_kv_bytes": "100MB"}, "more than the server's --kv-cap"),
         ({"max_kv_bytes": "10KB"}, "buys"),
-        ({"max_kv_bytes": "a lot"}, "must be a size"),
+        ({"max_kv_bytes": "a lot"}, "or a size like 24MB"),
         ({"budget": 3}, 'unknown key(s) "budget"'),
         ("1MB", "must be an object"),
     ]:
