@@ -18,7 +18,7 @@ Protocols:
   as `veloxpatch compress`), then the question continues the user turn;
 - chat: turn 1 asks what the text is about and the model answers; turn 2 asks
   the fact, continuing from what `veloxpatch serve`'s prompt cache keeps
-  (`serve.kv.kept_for_later`; mlx-lm's caches: trimmed to the shared prefix
+  (`serve.prompt_cache.kept_for_later`; mlx-lm's caches: trimmed to the shared prefix
   where they can be, else the conversation is read again).
 
 Budgets come from `veloxpatch.pricing.held_options` at `fraction *
@@ -406,7 +406,7 @@ def second_turn(model, arm, seen, caches, conv_ids):
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
     from veloxpatch.eval.arms import is_peer
-    from veloxpatch.serve.kv import kept_for_later, reproduces
+    from veloxpatch.serve.prompt_cache import kept_for_later, reproduces
 
     held = max((getattr(c, "offset", 0) for c in caches), default=0)
     tokens = list(seen)[:held]

@@ -145,7 +145,7 @@ def test_a_trim_into_a_quantized_group_is_not_reused_as_exact(opts, at_boundary_
     # the server reuses a trimmed prompt-cache entry only if trimmed_exactly: a
     # kept group whose grid was set by trimmed rows depends on another prompt,
     # and so does one quantized only because they came (32 rows alone: dense)
-    from veloxpatch.serve.kv import trimmed_exactly
+    from veloxpatch.serve.prompt_cache import trimmed_exactly
 
     model = tiny_model("llama", head_dim=64)
     ids = prompt_tokens(70)[None]  # 66 rows past the residual: two groups
@@ -165,7 +165,7 @@ def test_a_trim_into_a_quantized_group_is_not_reused_as_exact(opts, at_boundary_
 def test_a_trim_back_past_groups_quantized_later_is_not_reused_but_equals_fresh():
     # 100 rows alone quantize 2 groups (residual 32); 40 more quantize a third:
     # trimmed back to 100 it stays quantized, unlike a fresh prefill of them
-    from veloxpatch.serve.kv import trimmed_exactly
+    from veloxpatch.serve.prompt_cache import trimmed_exactly
 
     model = tiny_model("llama", head_dim=64)
     ids = prompt_tokens(140)

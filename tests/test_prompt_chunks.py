@@ -194,7 +194,8 @@ def test_the_prompt_end_compresses_one_layer_at_a_time():
 def test_the_server_keeps_nothing_of_a_chunked_prompt_and_reserves_its_bound():
     from test_serve_policy import ASK_A, DOC, serve
 
-    from veloxpatch.serve.kv import BoundedPromptCache, KVEstimate
+    from veloxpatch.serve.admission import KVEstimate
+    from veloxpatch.serve.prompt_cache import BoundedPromptCache
 
     model = tiny_model("llama")
     opts = dict(budget=24, window=4)
@@ -213,7 +214,7 @@ def test_a_short_request_reserves_no_more_rows_than_its_tokens():
     # the bound of budget + a chunk is for a long prompt: a short request can
     # hold only its own tokens' rows, and reserving more refused it (413)
     from veloxpatch.memory import full_rows
-    from veloxpatch.serve.kv import KVEstimate
+    from veloxpatch.serve.admission import KVEstimate
 
     model = tiny_model("llama")
     opts = dict(budget=300, window=4, chunk=512, compress="chunks")

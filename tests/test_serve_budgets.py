@@ -1,9 +1,7 @@
 """A request's own KV budget (`"veloxpatch": {"max_kv_bytes": ...}`, serve/
-budgets.py), on tiny models: the field's checks (400s naming it), the caches
+admission.py), on tiny models: the field's checks (400s naming it), the caches
 and reservation made with the request's options, and prompt-cache entries
 that never cross budgets. The server end to end: test_serve.py."""
-
-from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -13,9 +11,9 @@ from tiny import prompt_tokens, tiny_model
 import veloxpatch
 from veloxpatch.caches.kv_budget import bound_bytes, budget_for_bytes, kv_dtype_size
 from veloxpatch.memory import kv_bytes
-from veloxpatch.serve.budgets import BudgetProvider, Budgets
+from veloxpatch.serve.admission import Budgets, KVEstimate
 from veloxpatch.serve.checks import BadRequest, Limits, check_body
-from veloxpatch.serve.kv import BoundedPromptCache, KVEstimate
+from veloxpatch.serve.prompt_cache import BoundedPromptCache
 
 KEY = ("tiny", None, None)
 LIMITS = Limits(vocab=512, context=4096)
@@ -97,10 +95,12 @@ def test_the_request_gets_caches_priced_at_its_size_and_others_the_servers(snapk
     assert budget.options.budget == rows and 8 < rows < 64
     assert budget.options.window == 8  # the server's other options kept
     assert bound_bytes(budget.options, dims, dtype, rows) <= limit
-    provider = BudgetProvider(SimpleNamespace(model=model, patch=patch), budget)
-    caches = provider.model.make_cache()
+    store = BoundedPromptCache()  # the server makes its caches in the fetch
+    store.fresh[budget.key] = lambda t: patch.make_cache(options=budget.options)
+    caches, rest = store.fetch_nearest_cache(budget.key, PROMPT)
+    assert rest == PROMPT
     assert [c.options.budget for c in caches] == [rows] * len(caches)
-    greedy(provider.model, mx.array(PROMPT), n=8, prompt_cache=caches)
+    greedy(model, mx.array(PROMPT), n=8, prompt_cache=caches)
     assert 0 < kv_bytes(caches) <= limit
     plain = model.make_cache()
     assert [c.options.budget for c in plain] == [64] * len(plain)
@@ -130,8 +130,7 @@ def test_an_entry_made_under_one_budget_is_never_handed_to_another(snapkv):
     small = budgets.of(body({"max_kv_bytes": "40KB"}), N)
     other = budgets.of(body({"max_kv_bytes": "50KB"}), N)
     store = BoundedPromptCache()
-    caches = BudgetProvider(SimpleNamespace(model=model, patch=patch), small)
-    caches = caches.model.make_cache()
+    caches = patch.make_cache(options=small.options)
     toks, _ = greedy(model, mx.array(PROMPT), n=4, prompt_cache=caches)
     store.insert_cache(small.key, PROMPT + toks, caches)
     assert len(store) == 1
@@ -168,9 +167,8 @@ def test_the_servers_share_gives_each_new_prompt_its_own_rows():
     with veloxpatch.patched(model, "snapkv", window=8, max_kv_bytes="20%") as patch:
         budgets = Budgets(patch, KEY, cap=None)
         store = BoundedPromptCache()
-        store.fresh = (
-            KEY,
-            lambda t: patch.make_cache(options=budgets.server_options(len(t))),
+        store.fresh[KEY] = lambda t: patch.make_cache(
+            options=budgets.server_options(len(t))
         )
         rows = {}
         for n in (1000, 2000):

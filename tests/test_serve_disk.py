@@ -21,7 +21,7 @@ from tiny import resolve_options, tiny_model
 
 import veloxpatch
 from veloxpatch.serve.disk import DiskEntries
-from veloxpatch.serve.kv import BoundedPromptCache
+from veloxpatch.serve.prompt_cache import BoundedPromptCache
 
 ME = {"model": "tiny", "fingerprint": "f", "algo": "kvzip", "options": "{}"}
 

@@ -1,4 +1,4 @@
-"""The server's prompt-cache policy (serve/kv.py `kept_for_later`): what a
+"""The server's prompt-cache policy (serve/prompt_cache.py `kept_for_later`): what a
 finished request leaves for later requests is never compressed for its own
 question. Driven the way mlx-lm's server drives it (generate, insert the
 finished caches, fetch the nearest for the next prompt), on tiny models."""
@@ -12,7 +12,7 @@ from helpers import greedy
 from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
 
 import veloxpatch
-from veloxpatch.serve.kv import BoundedPromptCache, kept_for_later
+from veloxpatch.serve.prompt_cache import BoundedPromptCache, kept_for_later
 
 # an algorithm of each kind of prompt-cache entry: reconstructed, predicted,
 # prompt-end compressed, full
@@ -152,7 +152,7 @@ def test_a_short_kvzap_request_reserves_what_it_and_its_snapshot_hold(tail):
     # capped by its tokens, the reservation still covers the working cache, its
     # prompt-end snapshot (a compressed cache too) and the tail buffers in it
     from veloxpatch.memory import kv_bytes
-    from veloxpatch.serve.kv import KVEstimate
+    from veloxpatch.serve.admission import KVEstimate
 
     model = tiny_model("llama")
     opts = dict(budget=256, chunk=512, tail=tail, scorer=SCORER)
@@ -176,7 +176,7 @@ def test_the_reservation_covers_the_request_and_what_it_leaves(algo, opts, n):
     # the working cache and the entry kept for later, each with its side state;
     # a prompt shorter than the budget keeps its rows only (the snapshot too)
     from veloxpatch.memory import kv_bytes
-    from veloxpatch.serve.kv import KVEstimate
+    from veloxpatch.serve.admission import KVEstimate
 
     model = tiny_model("llama")
     prompt = prompt_tokens(n, seed=9).tolist()
@@ -193,7 +193,7 @@ def test_the_reservation_covers_the_request_and_what_it_leaves(algo, opts, n):
 def test_a_kvzap_request_is_priced_below_the_full_cache_it_replaces():
     # reading holds budget + one chunk, at most the prompt; then the budget and
     # the snapshot, a compressed cache too: never mlx-lm's whole prompt
-    from veloxpatch.serve.kv import KVEstimate
+    from veloxpatch.serve.admission import KVEstimate
 
     model = tiny_model("llama")
     opts = resolve_options(model, dict(budget=64, chunk=512, scorer=SCORER))
@@ -204,7 +204,7 @@ def test_a_kvzap_request_is_priced_below_the_full_cache_it_replaces():
 
 
 def test_the_reservation_counts_the_snapshot():
-    from veloxpatch.serve.kv import KVEstimate
+    from veloxpatch.serve.admission import KVEstimate
 
     model = tiny_model("llama")
     with veloxpatch.patched(model, "snapkv", budget=40) as snap:
@@ -348,7 +348,7 @@ def test_requests_served_one_at_a_time_keep_the_system_prompt(algo, opts, monkey
     what that user gets alone (snapkv's end entry is trimmed back to it)."""
     from test_kvzip import TOK
 
-    from veloxpatch.serve import kv
+    from veloxpatch.serve import prompt_cache as kv
 
     reads = []
     pieces = kv.prompt_pieces
@@ -434,7 +434,7 @@ def test_a_system_prompt_compressed_alone_is_compressed_once_for_every_user(
 def serve_replaying(model, store, prompt, n=6):
     """`serve` as the one-at-a-time path runs it: the model called through
     ReplayingModel, so an entry of exactly this prompt hands its logits."""
-    from veloxpatch.serve.kv import ReplayingModel
+    from veloxpatch.serve.replay import ReplayingModel
 
     store.replays = True
     try:

@@ -4,7 +4,7 @@ while a system prompt several conversations branch from keeps its place."""
 
 from __future__ import annotations
 
-from veloxpatch.serve.kv import BoundedPromptCache
+from veloxpatch.serve.prompt_cache import BoundedPromptCache
 
 KEY = ("tiny", None, None)
 

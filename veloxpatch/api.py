@@ -46,7 +46,7 @@ class Patch:
     ):
         self.model = model
         self.tokenizer = tokenizer  # kvzip's reconstruction phrases its instruction
-        self.keep_snapshots = False  # the server's prompt cache (serve/kv.py)
+        self.keep_snapshots = False  # the server's prompt cache (serve/prompt_cache.py)
         self.requested = dict(requested or {})  # the options as the caller gave them
         self.adapter = adapter
         self.sites = sites  # every layer; sliding ones are not registered

@@ -183,7 +183,7 @@ INTERNALS = (
     Internal(
         "mlx_lm.models.cache:LRUPromptCache.fetch_nearest_cache",
         f"{_SERVE} overrides it: a (cache, remaining tokens) pair, the cache a "
-        "copy (serve/kv.py)",
+        "copy (serve/prompt_cache.py)",
         source_sha256=(
             "7ac872d0c10917962651c237aef175a80bf47d2c9b7549abd2cd79c7ca0c9e84"
         ),
@@ -193,7 +193,7 @@ INTERNALS = (
         "mlx_lm.models.cache:LRUPromptCache.insert_cache",
         f"{_SERVE} overrides it: every finished request's caches, with a "
         "cache_type; then adds an entry's kept logits to its `nbytes` and to "
-        "`_n_bytes`/`_n_bytes_by_type`, found with `_trie.get` (serve/kv.py)",
+        "`_n_bytes`/`_n_bytes_by_type`, found with `_trie.get` (serve/prompt_cache.py)",
         source_sha256=(
             "49c194f3fcf8831ef8f1f6e861e29307713dab6aa66295dce4f92d3643e744e9"
         ),
@@ -201,7 +201,7 @@ INTERNALS = (
     ),
     Internal(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",
-        f"{_SERVE} calls and overrides it: evicts by count or bytes (serve/kv.py)",
+        f"{_SERVE} calls and overrides it: evicts by count or bytes (serve/prompt_cache.py)",
         source_sha256=(
             "cc498b9d8bc7e328cd20e325e835e4403e771fdb016482a73d61eac2d3883888"
         ),
@@ -209,7 +209,7 @@ INTERNALS = (
     ),
     Internal(
         "mlx_lm.models.cache:LRUPromptCache.__init__",
-        f"{_SERVE} replaces its `_trie` (a PromptTrie) with its own (serve/kv.py)",
+        f"{_SERVE} replaces its `_trie` (a PromptTrie) with its own (serve/prompt_cache.py)",
         source_sha256=(
             "dad40f4ef6ae45a0e42747c40545cc3b5d7cccf0e32c2af41a13249539d62679"
         ),
@@ -218,7 +218,7 @@ INTERNALS = (
     Internal(
         "mlx_lm.models.cache:PromptTrie.pop_prefixes",
         f"{_SERVE} overrides it: insert_cache drops the entries it returns, and "
-        "an entry put back with `add` stays (serve/kv.py)",
+        "an entry put back with `add` stays (serve/prompt_cache.py)",
         source_sha256=(
             "97a94c52e76815ebfcc3c9fae501d00732e898e20413993fc2bb5822f1944109"
         ),
@@ -227,7 +227,7 @@ INTERNALS = (
     Internal(
         "mlx_lm.models.cache:PromptTrie.search",
         f"{_SERVE} reads `shorter` (the longest entry a prefix of the tokens) "
-        "and `model` of its result, then `get`s it (serve/kv.py)",
+        "and `model` of its result, then `get`s it (serve/prompt_cache.py)",
         source_sha256=(
             "1748a78c55ada724fb359b394a4337d7c1b5e3540c835cca9e113b0324cf642e"
         ),
@@ -374,7 +374,7 @@ INTERNALS = (
     Internal(
         "mlx_lm.server:ResponseGenerator._generate",
         "loads through our provider, reads is_batchable, fetches from and "
-        "inserts into our prompt cache (serve/server.py, serve/kv.py)",
+        "inserts into our prompt cache (serve/server.py, serve/prompt_cache.py)",
         source_sha256=(
             "3a4259353eae53417f6cc455c0c1263639b514cb2b62e21be6cb4e72cb49cd55"
         ),
@@ -383,7 +383,7 @@ INTERNALS = (
     Internal(
         "mlx_lm.server:ResponseGenerator._serve_single",
         "unbatched requests: stream_generate on our caches, inserted into our "
-        "prompt cache (serve/kv.py); request[0] is the queue it puts the "
+        "prompt cache (serve/prompt_cache.py); request[0] is the queue it puts the "
         "context on, then sets ctx.prompt_cache_count from its fetch, then "
         "puts more (serve/server.py ReadForTheRequest)",
         source_sha256=(

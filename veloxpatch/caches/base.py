@@ -95,7 +95,7 @@ class VeloxCache(RowStorage):
         "o_proj",
         "layer_input",
     )
-    # What a server keeps of this cache for later requests (serve/kv.py):
+    # What a server keeps of this cache for later requests (serve/prompt_cache.py):
     # "as_is": the kept set never reads a query, so any state of it is agnostic;
     # "prompt": the copy taken as the prompt ends, before its question-aware
     # compression; "none": queries of the question evicted during the prompt.
@@ -126,7 +126,7 @@ class VeloxCache(RowStorage):
         self.offset = 0  # tokens seen = absolute position of the next token
         # tokens seen when the state last took in what a trim cannot undo (an
         # eviction; trimmed queries' statistics): a trim back past it is not the
-        # state those tokens alone leave (serve/kv.py reuses only trims before it)
+        # state those tokens alone leave (serve/prompt_cache.py reuses only trims before it)
         self.irreversible_at = None
         self.decode_from = None  # tokens seen when the last prompt ended
         self.phase = PromptPhase()  # make_cache shares one across the layers
@@ -264,7 +264,7 @@ class VeloxCache(RowStorage):
 
     def take_snapshot(self, pending: bool) -> None:
         """A copy of every layer's cache as it is now, for the server's prompt
-        cache (`serve/kv.py`). `pending`: the copies have not seen this prompt
+        cache (`serve/prompt_cache.py`). `pending`: the copies have not seen this prompt
         end, so the next request sharing their tokens continues the prompt.
         Taken once per prompt end, by the first layer to see it."""
         phase = self.phase

@@ -60,7 +60,7 @@ class PromptPhase:
         self.snapshot: list | None = None
         # the server's prompt cache: (prompt tokens, logits of the last one) of
         # the last prompt call, kept with a snapshot taken after the prompt's end
-        # so the same prompt again starts from them (serve/kv.py `ReplayingModel`)
+        # so the same prompt again starts from them (serve/replay.py `ReplayingModel`)
         self.prompt_logits = None
         self.replay = None  # those logits, for the next model call to return
         self.size = 0  # caches in the list (a snapshot needs every layer)

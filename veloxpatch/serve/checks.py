@@ -156,7 +156,7 @@ SIZE_FIELD = f"{FIELD}.max_kv_bytes"
 
 
 def _veloxpatch(body: dict) -> None:
-    """`veloxpatch` (a request's own budget, `budgets.py`), if present: an
+    """`veloxpatch` (a request's own budget, `admission.py`), if present: an
     object of known keys, its size readable."""
     if body.get(FIELD) is None:
         return

@@ -1,6 +1,6 @@
 """`veloxpatch serve --prompt-cache-dir DIR`: the prompt cache's entries on disk.
 
-Every entry the prompt cache keeps (`kv.BoundedPromptCache.insert_cache`) is
+Every entry the prompt cache keeps (`prompt_cache.BoundedPromptCache.insert_cache`) is
 also written to DIR as `entry-<hash>.safetensors` in the project's cache file
 format (`caches.io.save_cache`: checksummed, written to a temporary name in DIR
 and renamed). Its metadata names what it was made by (`identity`: the served

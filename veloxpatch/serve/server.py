@@ -4,10 +4,10 @@
   caches can batch; mlx-lm's provider would load any model a request names,
   unpatched, so every other name is refused here.
 - `Generator` (mlx-lm's generation thread) keeps a system prompt's
-  prompt-cache entry for requests served one at a time too (`kv`).
+  prompt-cache entry for requests served one at a time too (`prompt_cache`).
 - `Handler` (mlx-lm's APIHandler) refuses other models, adapters and draft
   models, checks every field and the prompt's length (`checks`), reserves
-  each request's KV bytes before queueing it (`kv`), and stops a request whose
+  each request's KV bytes before queueing it (`admission`), and stops a request whose
   client left or that a SIGTERM/SIGINT cuts (`cuts`).
 """
 
@@ -34,11 +34,12 @@ from ..caches import VeloxCache
 from ..errors import OptionError
 from ..loading.models import embedded_model_path, load
 from ..mlx_lm_internals import run_http_server, tokenize_request
-from .budgets import BudgetProvider, Budgets
+from .admission import Budgets, KVEstimate, KVLedger, Refused
 from .checks import BadRequest, check_body, check_length, model_limits
 from .cuts import CLIENT_GONE, Cut, CuttableGenerator, client_gone, stop_on_signals
 from .disk import DiskEntries, server_identity
-from .kv import BoundedPromptCache, KVEstimate, KVLedger, Refused, ReplayingModel
+from .prompt_cache import BoundedPromptCache
+from .replay import ReplayingModel
 
 log = logging.getLogger("veloxpatch.serve")
 
@@ -110,7 +111,7 @@ class PatchedModelProvider(ModelProvider):
         )
         if auto:  # from here on the server is what auto chose, by name and options
             self.algo, self.options = self.patch.algo, dict(self.patch.requested)
-        self.patch.keep_snapshots = True  # the prompt cache's policy (kv.py)
+        self.patch.keep_snapshots = True  # the prompt cache's policy (prompt_cache.py)
         ok, why = batch_support(self.patch.make_cache(options=self.patch.options))
         if ok and self.patch.cache_cls.wants_token_ids:
             # mlx-lm's batches hide each sequence's token ids from the patch
@@ -441,7 +442,7 @@ class Handler(APIHandler):
 class WithArgs:
     """A request's view of the generator: its generation arguments carry
     `fields` to the generation thread (`kv_budget`: its own budget,
-    `budgets.RequestBudget`; `replay`: a prompt-cache entry holds its prompt)."""
+    `admission.RequestBudget`; `replay`: a prompt-cache entry holds its prompt)."""
 
     def __init__(self, generator, **fields):
         self.generator, self.fields = generator, fields
@@ -472,7 +473,7 @@ class Generator(CuttableGenerator):
     """mlx-lm's generation thread, its requests cuttable (`cuts`) and replays
     served first (`ReplaysFirst`), whose one-at-a-time requests keep their
     system prompt's prompt-cache entry as its batches do
-    (`kv.BoundedPromptCache.keep_system`); with `compress_system`, that entry
+    (`prompt_cache.BoundedPromptCache.keep_system`); with `compress_system`, that entry
     is the system prompt compressed on its own (question-agnostic, kvzip's
     reconstruction), once for every user of it."""
 
@@ -493,12 +494,16 @@ class Generator(CuttableGenerator):
         queue, body, args = request
         read = 0
         # the same prompt again continues from its entry's kept logits, which
-        # mlx-lm's calls reach through ReplayingModel (kv.py)
+        # mlx-lm's calls reach through ReplayingModel (replay.py)
         self.prompt_cache.replays = True
         provider = self.model_provider
         budget = getattr(args, "kv_budget", None)
         if budget is not None:  # its caches and prompt-cache key are its own
-            self.model_provider = BudgetProvider(provider, budget)
+            self.model_provider = copy.copy(provider)
+            self.model_provider.model_key = budget.key
+            self.prompt_cache.fresh[budget.key] = lambda tokens: (
+                provider.patch.make_cache(options=budget.options)
+            )
         try:
             try:
                 read = self._keep_system(body, args)
@@ -510,9 +515,13 @@ class Generator(CuttableGenerator):
                 log.exception("the system prompt's prompt-cache entry was not kept")
             if read:
                 queue = ReadForTheRequest(queue, read)
-            self.model_provider = ReplayingProvider(self.model_provider)
+            # the model as mlx-lm calls it, its last prompt logits kept (replay.py)
+            self.model_provider = copy.copy(self.model_provider)
+            self.model_provider.model = ReplayingModel(provider.model)
             super()._serve_single((queue, body, args), stream)
         finally:  # a request that failed before its fetch leaves nothing held
+            if budget is not None:
+                self.prompt_cache.fresh.pop(budget.key, None)
             self.model_provider = provider
             self.prompt_cache.replays = False
             self.prompt_cache.drop_handed()
@@ -542,18 +551,6 @@ class Generator(CuttableGenerator):
             self.cli_args.prefill_step_size,
             compress,
         )
-
-
-class ReplayingProvider:
-    """The model provider, its model seen through `kv.ReplayingModel`, for
-    mlx-lm's one-at-a-time path."""
-
-    def __init__(self, provider):
-        self.provider = provider
-        self.model = ReplayingModel(provider.model)
-
-    def __getattr__(self, name):
-        return getattr(self.provider, name)
 
 
 class ReadForTheRequest:
@@ -621,11 +618,8 @@ def run(
         prompt_cache.disk_key = provider.model_key  # the entries of its options
     if provider.patch.rows_by_prompt():  # a share: each new prompt's own rows
         budgets, patch = state.budgets, provider.patch
-        prompt_cache.fresh = (
-            provider.model_key,
-            lambda tokens: patch.make_cache(
-                options=budgets.server_options(len(tokens))
-            ),
+        prompt_cache.fresh[provider.model_key] = lambda tokens: patch.make_cache(
+            options=budgets.server_options(len(tokens))
         )
     state.generator = Generator(provider, prompt_cache)
     state.generator.compress_system = compress_system

@@ -1,25 +1,9 @@
-"""`veloxpatch serve --kv-cap`: the KV bytes the server holds, bounded.
-
-The bound covers every request in flight (queued or generating) plus mlx-lm's
-prompt cache. A request reserves an upper bound on the KV bytes it can hold
-before it is queued (its prompt is tokenized for that), and gives it back when
-its response ends:
-- a cache with a budget (eviction): the most of what it holds while the prompt
-  is read (the whole prompt, or budget + one chunk where it cuts as it reads:
-  `compress="chunks"`, kvzap) and what it holds after (its decode bound,
-  `kv_budget.bound_bytes`, plus the prompt-end snapshot the prompt cache
-  keeps, `kept_for_later`: the prompt itself for the SnapKV family and kvzip,
-  kvzap's compressed cache), each of no more rows than its tokens. The
-  snapshot is the entry mlx-lm's server would keep; with it, a request whose
-  max_tokens is below the budget holds more than mlx-lm's one cache;
-- any other cache (full, kivi, ...): prompt + max_tokens rows at full precision.
-Rows are rounded up to the 256-row growth step, and positions (4 bytes a row)
-are counted. It is a bound, not a measurement: the per-request log line says
-what the caches really held, next to what mlx-lm's own cache would have held.
-
-When a request does not fit, prompt-cache entries are evicted (least recently
-used first, `RecencyOrder`) first; if it still does not fit it is refused: 503
-while others hold the room (try again later), 413 when it could never fit.
+"""The server's prompt cache: mlx-lm's `LRUPromptCache`, bounded by what the
+`--kv-cap` leaves it, with a trie that keeps an entry's prefixes where
+trimming it back could not serve them (`KeepingPromptTrie`), one
+least-recently-used order over every kind of entry (`RecencyOrder`), and the
+policy of what a finished request leaves for later (`kept_for_later`): never
+a cache compressed for its own question.
 """
 
 from __future__ import annotations
@@ -38,130 +22,11 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from model_adapters import adapter_for
-
-from .. import pricing
 from ..caches import VeloxCache
-from ..memory import full_kv_bytes, full_rows, kv_bytes
-from ..pricing import bound_bytes, holds_of, kv_dtype_size
+from ..memory import full_kv_bytes, kv_bytes
+from .replay import kept_logits_bytes, phase_of, replay_last_token, revive
 
 log = logging.getLogger("veloxpatch.serve")
-
-
-class Refused(Exception):
-    """A request the server will not take; `status` is its HTTP code."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-class KVEstimate:
-    """Upper bound on one request's KV bytes (module doc), from the patch
-    (`options`: bound options of its algorithm the request's caches are made
-    with instead, a request's own budget)."""
-
-    def __init__(self, patch, options=None):
-
-        model, options = patch.model, options or patch.options
-        self.dims = dims = adapter_for(model).dims(model)
-        self.dtype = dtype = kv_dtype_size(model)
-        self.options = options
-        layers = list(zip(dims.kv_heads, dims.head_dims, dims.sliding))
-        # sliding-window layers keep mlx-lm's cache: counted whole, as a bound
-        self.sliding_row = sum(h * 2 * d * dtype for h, d, s in layers if s)
-        self.patched_row = sum(h * (2 * d * dtype + 4) for h, d, s in layers if not s)
-        self.model = model
-        # the snapshot the prompt cache keeps (kept_for_later) is held too
-        self.snapshot = patch.cache_cls.policy_for(options) == "prompt"
-        self.budget = getattr(options, "budget", None)
-        # compress="chunks": that bound holds while the prompt is read too
-        self.bounds_prompt = self.budget is not None and (
-            holds_of(options).reading_rows is not None
-        )
-
-    def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
-        rows = full_rows(prompt_tokens + max_tokens)
-        held = self.sliding_row * rows
-        if self.budget is None:
-            return held + self.patched_row * rows
-        # no cache holds more rows than the request has tokens (grown in steps)
-        args = (self.options, self.dims, self.dtype, self.budget)
-        decoding = bound_bytes(*args, rows, decode=True)
-        if self.bounds_prompt:  # reading holds one chunk more, the prompt at most
-            reading = bound_bytes(*args, full_rows(prompt_tokens))
-            # kvzap's snapshot, taken once it compressed: a gather of its rows
-            kept = (
-                bound_bytes(*args, prompt_tokens, decode=True) if self.snapshot else 0
-            )
-        else:  # the whole prompt while it is read, and the snapshot taken then
-            reading = self.patched_row * full_rows(prompt_tokens)
-            kept = self.patched_row * prompt_tokens if self.snapshot else 0
-        return held + int(max(reading, decoding + kept))
-
-    def full_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
-        """What mlx-lm's own KVCache would hold for the same request."""
-        rows = full_rows(prompt_tokens + max_tokens)
-        return pricing.full_bytes(self.model, rows) + self.sliding_row * rows
-
-
-class KVLedger:
-    """Reservations of the requests in flight, and the cap (None: no cap)."""
-
-    def __init__(
-        self,
-        cap: int | None,
-        prompt_cache: BoundedPromptCache,
-        max_requests: int | None = None,
-    ):
-        self.cap = cap
-        self.max_requests = max_requests  # in flight at once (None: no bound)
-        self.prompt_cache = prompt_cache
-        self.reserved = 0
-        self.in_flight = 0
-        self._lock = threading.Lock()
-        prompt_cache.ledger = self
-
-    def admit(self, need: int) -> int:
-        """Reserve `need` bytes (evicting prompt-cache entries if that makes
-        room) or raise Refused."""
-        with self._lock:
-            if self.max_requests is not None and self.in_flight >= self.max_requests:
-                raise Refused(
-                    503,
-                    f"server busy: {self.in_flight} requests in flight, the "
-                    f"server's --max-requests {self.max_requests}; retry later",
-                )
-            if self.cap is not None:
-                if need > self.cap:
-                    raise Refused(
-                        413,
-                        f"this request may hold up to {need:,} bytes of KV cache, "
-                        f"more than the server's --kv-cap {self.cap:,}; "
-                        "send a shorter prompt, a lower max_tokens or a smaller "
-                        "budget (the algorithm's bound may not depend on the prompt)",
-                    )
-                if self.reserved + need > self.cap:
-                    raise Refused(
-                        503,
-                        f"KV cache full: {self.in_flight} requests in flight hold "
-                        f"up to {self.reserved:,} of --kv-cap {self.cap:,} "
-                        f"bytes and this one may need {need:,}; retry later",
-                    )
-                room = self.cap - self.reserved - need
-                if self.prompt_cache.nbytes > room:
-                    self.prompt_cache.trim_to(n_bytes=room)
-            self.reserved += need
-            self.in_flight += 1
-            return need
-
-    def release(self, need: int) -> None:
-        with self._lock:
-            self.reserved -= need
-            self.in_flight -= 1
-
-    def prompt_cache_room(self) -> int | None:
-        return None if self.cap is None else self.cap - self.reserved
 
 
 class KeepingPromptTrie(PromptTrie):
@@ -260,7 +125,7 @@ class BoundedPromptCache(LRUPromptCache):
         self._trie = KeepingPromptTrie()
         self._lru = RecencyOrder()
         self._lock = threading.RLock()
-        self.ledger: KVLedger | None = None
+        self.ledger = None  # admission.KVLedger, whose cap bounds it
         self._handed = None  # keep_system's fetch, for the request it ran for
         # the caller runs the model through ReplayingModel (one request at a
         # time): an exact prompt's entry may hand it the logits it kept
@@ -269,14 +134,14 @@ class BoundedPromptCache(LRUPromptCache):
         # the key of the server's options, whose entries the disk holds (None:
         # every key's); a request's own budget keys its entries apart
         self.disk_key = None
-        # (key, fn(tokens) -> caches): a new request's caches under that key,
-        # made for its prompt (the server's share sets rows by each prompt)
-        self.fresh = None
+        # key -> fn(tokens) -> caches: a new request's caches under that key,
+        # made for its prompt (a share, a request's own budget); else mlx-lm's
+        self.fresh: dict = {}
 
     def fetch_nearest_cache(self, model, tokens):
         cache, rest = self._nearest(model, tokens)
-        if cache is None and self.fresh is not None and self.fresh[0] == model:
-            return self.fresh[1](tokens), list(tokens)  # read from the start
+        if cache is None and model in self.fresh:
+            return self.fresh[model](tokens), list(tokens)  # read from the start
         return cache, rest
 
     def _nearest(self, model, tokens):
@@ -443,9 +308,8 @@ class BoundedPromptCache(LRUPromptCache):
         read = 0
         if system_end - start >= 2:  # one token left would be a lone call
             if cache is None or compress is not None:
-                fresh = self.fresh is not None and self.fresh[0] == key
-                new = self.fresh[1](prompt) if fresh else make_prompt_cache(model)
-                cache, start = new, 0
+                new = self.fresh.get(key, lambda _: make_prompt_cache(model))
+                cache, start = new(prompt), 0
             for piece in prompt_pieces(prompt[start:system_end], prefill_step):
                 model(mx.array(piece)[None], cache=cache)
                 mx.eval([c.state for c in cache])  # as generate_step's prefill
@@ -498,7 +362,7 @@ class BoundedPromptCache(LRUPromptCache):
                 self._lru.touch(model, tokens[:n], first=True)  # moved on from
             self._price_logits(model, tokens, prompt_cache)
             if to_disk and self.disk is not None and self._on_disk(model):
-                kept = getattr(_phase(prompt_cache), "prompt_logits", None)
+                kept = getattr(phase_of(prompt_cache), "prompt_logits", None)
                 self.disk.store(tokens, prompt_cache, cache_type, kept)
             elif to_disk and self.disk is not None:
                 log.info(
@@ -527,76 +391,6 @@ class BoundedPromptCache(LRUPromptCache):
         self._n_bytes_by_type[entry.cache_type] += extra
         if self._n_bytes > self.max_bytes:
             self.trim_to(n_bytes=self.max_bytes)
-
-
-class ReplayingModel:
-    """The served model as the one-at-a-time path calls it. A cache compressed
-    as its prompt ended (kvzip, kvzap) cannot be trimmed to read the prompt's
-    last token again, so the same prompt again could not reuse its entry: its
-    prompt's last call keeps its logits (`prompt_logits`, copied into the
-    snapshot), and a fetch of exactly that prompt (`replay_last_token`) has
-    the next call, the last token's, return them without touching the cache.
-    The generation then goes on from the state the first request decoded from."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        phase = _phase(cache)
-        if phase is not None and phase.replay is not None:
-            logits, phase.replay = phase.replay, None
-            if inputs.shape[-1] == 1:
-                return logits
-        out = self.model(inputs, cache=cache, **kwargs)
-        # the last prompt call is a lone token (generate_step's `_step`)
-        if phase is not None and phase.keep_snapshot and inputs.shape[-1] == 1:
-            if phase.in_prompt:
-                ours = [c for c in cache if hasattr(c, "phase")]
-                phase.prompt_logits = (ours[0].offset, out[:, -1:, :])
-        return out
-
-
-def _phase(cache):
-    if not cache:
-        return None
-    for c in cache:
-        if hasattr(c, "phase"):
-            return c.phase
-    return None
-
-
-def replay_last_token(cache, n: int) -> bool:
-    """Arm `cache` (an entry of exactly n prompt tokens, past its prompt's
-    end) to give its kept logits for the last token: whether it could."""
-    phase = _phase(cache)
-    kept = getattr(phase, "prompt_logits", None)
-    if kept is None or kept[0] != n or phase.in_prompt:
-        return False
-    if any(c.offset != n for c in cache if hasattr(c, "phase")):
-        return False
-    phase.replay = kept[1]
-    return True
-
-
-def revive(caches, kept) -> None:
-    """Caches loaded from a file (disk.py), made what the entry kept in
-    memory was: one phase of every layer, snapshots at their prompt ends as
-    the server asks, the kept logits of its prompt's last token."""
-    ours = [c for c in caches if hasattr(c, "phase")]
-    if not ours:
-        return
-    phase = ours[0].phase
-    phase.size = len(ours)
-    phase.keep_snapshot = type(ours[0]).policy_for(ours[0].options) == "prompt"
-    phase.prompt_logits = kept
-
-
-def kept_logits_bytes(cache) -> int:
-    kept = getattr(_phase(cache), "prompt_logits", None)
-    return 0 if kept is None else kept[1].nbytes
 
 
 def prompt_pieces(tokens: list[int], step: int) -> list[list[int]]:
@@ -657,7 +451,7 @@ def kept_for_later(tokens, caches):
         return None
     _, n, copies = snapshot
     fit_buffers(copies)  # priced at its rows, not the buffers' growth step
-    kept = copies and getattr(_phase(copies), "prompt_logits", None)
+    kept = copies and getattr(phase_of(copies), "prompt_logits", None)
     if kept:
         mx.eval(kept[1])
     # kvzip and kvzap snapshot after their (question-agnostic) compression

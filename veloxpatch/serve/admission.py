@@ -1,0 +1,272 @@
+"""Pricing and admission: what a request may hold, reserved before it is
+queued, under `veloxpatch serve --kv-cap`.
+
+The cap covers every request in flight (queued or generating) plus mlx-lm's
+prompt cache. A request reserves an upper bound on the KV bytes it can hold
+before it is queued (its prompt is tokenized for that), and gives it back when
+its response ends (`KVEstimate`):
+- a cache with a budget (eviction): the more of what it holds while the prompt
+  is read (the whole prompt, or budget + one chunk where it cuts as it reads:
+  `compress="chunks"`, kvzap) and what it holds after (its decode bound,
+  `kv_budget.bound_bytes`, plus the prompt-end snapshot the prompt cache
+  keeps, `prompt_cache.kept_for_later`: the prompt itself for the SnapKV
+  family and kvzip, kvzap's compressed cache), each of no more rows than its
+  tokens. The snapshot is the entry mlx-lm's server would keep; with it, a
+  request whose max_tokens is below the budget holds more than mlx-lm's cache;
+- any other cache (full, kivi, ...): prompt + max_tokens rows at full precision.
+Rows are rounded up to the 256-row growth step, and positions (4 bytes a row)
+are counted. It is a bound, not a measurement: the per-request log line says
+what the caches really held, next to what mlx-lm's own cache would have held.
+
+When a request does not fit, prompt-cache entries are evicted (least recently
+used first) first; if it still does not fit it is refused (`KVLedger`): 503
+while others hold the room (try again later), 413 when it could never fit.
+
+A request's own rows (`Budgets`): a size or a share in its body,
+`"veloxpatch": {"max_kv_bytes": "8MB"}` or `"20%"`, or the server's
+`--max-kv-bytes 20%`. A size is that request's per-sequence byte target: its
+caches are made with the patch's options and this `max_kv_bytes` in place of
+the server's budget (`Patch.options_for_bytes`, priced by `pricing.py` as
+everywhere), its reservation is bounded with those options, and its
+prompt-cache entries live under their own key (`RequestBudget.key`), so that an
+entry made under one budget is never handed to a request with another. A share
+in the body is that many bytes of the request's own prompt, its entries keyed
+by the share. Such requests are served one at a time. The server's share
+prices each request's rows from its prompt too (`Patch.options_for_tokens`; a
+prompt too short for it gets the fewest rows that work), under the server's
+key, and batches: the prompt cache makes a new request's caches for its prompt
+(`prompt_cache.BoundedPromptCache.fresh`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+from model_adapters import adapter_for
+
+from .. import pricing
+from ..errors import OptionError
+from ..memory import full_rows
+from ..pricing import (
+    bound_bytes,
+    holds_of,
+    kv_dtype_size,
+    parse_target,
+    smallest_target,
+)
+from .checks import FIELD, SIZE_FIELD, BadRequest
+
+
+class Refused(Exception):
+    """A request the server will not take; `status` is its HTTP code."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class KVEstimate:
+    """Upper bound on one request's KV bytes (module doc), from the patch
+    (`options`: bound options of its algorithm the request's caches are made
+    with instead, a request's own budget)."""
+
+    def __init__(self, patch, options=None):
+
+        model, options = patch.model, options or patch.options
+        self.dims = dims = adapter_for(model).dims(model)
+        self.dtype = dtype = kv_dtype_size(model)
+        self.options = options
+        layers = list(zip(dims.kv_heads, dims.head_dims, dims.sliding))
+        # sliding-window layers keep mlx-lm's cache: counted whole, as a bound
+        self.sliding_row = sum(h * 2 * d * dtype for h, d, s in layers if s)
+        self.patched_row = sum(h * (2 * d * dtype + 4) for h, d, s in layers if not s)
+        self.model = model
+        # the snapshot the prompt cache keeps (kept_for_later) is held too
+        self.snapshot = patch.cache_cls.policy_for(options) == "prompt"
+        self.budget = getattr(options, "budget", None)
+        # compress="chunks": that bound holds while the prompt is read too
+        self.bounds_prompt = self.budget is not None and (
+            holds_of(options).reading_rows is not None
+        )
+
+    def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        rows = full_rows(prompt_tokens + max_tokens)
+        held = self.sliding_row * rows
+        if self.budget is None:
+            return held + self.patched_row * rows
+        # no cache holds more rows than the request has tokens (grown in steps)
+        args = (self.options, self.dims, self.dtype, self.budget)
+        decoding = bound_bytes(*args, rows, decode=True)
+        if self.bounds_prompt:  # reading holds one chunk more, the prompt at most
+            reading = bound_bytes(*args, full_rows(prompt_tokens))
+            # kvzap's snapshot, taken once it compressed: a gather of its rows
+            kept = (
+                bound_bytes(*args, prompt_tokens, decode=True) if self.snapshot else 0
+            )
+        else:  # the whole prompt while it is read, and the snapshot taken then
+            reading = self.patched_row * full_rows(prompt_tokens)
+            kept = self.patched_row * prompt_tokens if self.snapshot else 0
+        return held + int(max(reading, decoding + kept))
+
+    def full_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        """What mlx-lm's own KVCache would hold for the same request."""
+        rows = full_rows(prompt_tokens + max_tokens)
+        return pricing.full_bytes(self.model, rows) + self.sliding_row * rows
+
+
+class KVLedger:
+    """Reservations of the requests in flight, and the cap (None: no cap)."""
+
+    def __init__(
+        self,
+        cap: int | None,
+        prompt_cache,
+        max_requests: int | None = None,
+    ):
+        self.cap = cap
+        self.max_requests = max_requests  # in flight at once (None: no bound)
+        self.prompt_cache = prompt_cache
+        self.reserved = 0
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        prompt_cache.ledger = self
+
+    def admit(self, need: int) -> int:
+        """Reserve `need` bytes (evicting prompt-cache entries if that makes
+        room) or raise Refused."""
+        with self._lock:
+            if self.max_requests is not None and self.in_flight >= self.max_requests:
+                raise Refused(
+                    503,
+                    f"server busy: {self.in_flight} requests in flight, the "
+                    f"server's --max-requests {self.max_requests}; retry later",
+                )
+            if self.cap is not None:
+                if need > self.cap:
+                    raise Refused(
+                        413,
+                        f"this request may hold up to {need:,} bytes of KV cache, "
+                        f"more than the server's --kv-cap {self.cap:,}; "
+                        "send a shorter prompt, a lower max_tokens or a smaller "
+                        "budget (the algorithm's bound may not depend on the prompt)",
+                    )
+                if self.reserved + need > self.cap:
+                    raise Refused(
+                        503,
+                        f"KV cache full: {self.in_flight} requests in flight hold "
+                        f"up to {self.reserved:,} of --kv-cap {self.cap:,} "
+                        f"bytes and this one may need {need:,}; retry later",
+                    )
+                room = self.cap - self.reserved - need
+                if self.prompt_cache.nbytes > room:
+                    self.prompt_cache.trim_to(n_bytes=room)
+            self.reserved += need
+            self.in_flight += 1
+            return need
+
+    def release(self, need: int) -> None:
+        with self._lock:
+            self.reserved -= need
+            self.in_flight -= 1
+
+    def prompt_cache_room(self) -> int | None:
+        return None if self.cap is None else self.cap - self.reserved
+
+
+KEPT = 16  # bound options kept for reuse: each distinct size binds anew
+
+
+class RequestBudget(NamedTuple):
+    """What a request with its own `max_kv_bytes` is served with."""
+
+    max_kv_bytes: int
+    options: Any  # the patch's options with this max_kv_bytes, bound
+    estimate: Any  # KVEstimate of those options
+    key: tuple  # its prompt-cache entries' model key
+
+    def note(self) -> str:
+        return (
+            f"{SIZE_FIELD} {self.max_kv_bytes:,} (budget "
+            f"{getattr(self.options, 'budget', '?')} rows)"
+        )
+
+
+class Budgets:
+    """The budgets requests ask for, checked and bound once per size (the
+    last `KEPT` sizes are kept)."""
+
+    def __init__(self, patch, model_key: tuple, cap: int | None):
+        self.patch, self.model_key, self.cap = patch, model_key, cap
+        self._kept: OrderedDict[tuple, RequestBudget] = OrderedDict()
+        self._lock = threading.Lock()
+        self._fewest = None  # the options of the fewest rows that work
+
+    def of(self, body: dict, prompt_tokens: int) -> RequestBudget | None:
+        """The budget of a request with `prompt_tokens` tokens (None: the
+        server's options, as they are), or BadRequest."""
+        field = body.get(FIELD) or {}
+        if field.get("max_kv_bytes") is None:
+            return None
+        try:
+            target = parse_target(field["max_kv_bytes"], SIZE_FIELD)
+        except OptionError as e:
+            raise BadRequest(str(e)) from None
+        limit = target.bytes_for(self.patch.model, prompt_tokens)
+        if self.cap is not None and limit > self.cap:
+            raise BadRequest(
+                f"{SIZE_FIELD} ({target}: {limit:,} bytes) is more than the "
+                f"server's --kv-cap ({self.cap:,} bytes)"
+            )
+        key = (*self.model_key, ("max_kv_bytes", target.size or str(target)))
+        with self._lock:
+            if (limit, key) in self._kept:
+                self._kept.move_to_end((limit, key))
+                return self._kept[limit, key]
+        try:
+            options = self.patch.options_for_bytes(limit)
+        except OptionError as e:
+            share = f"={target}" if target.ratio is not None else ""
+            raise BadRequest(f"{SIZE_FIELD}{share}: {e}") from None
+        budget = RequestBudget(limit, options, KVEstimate(self.patch, options), key)
+        with self._lock:
+            self._kept[limit, key] = budget
+            while len(self._kept) > KEPT:
+                self._kept.popitem(last=False)
+        return budget
+
+    def server_options(self, prompt_tokens: int):
+        """The server's options for a prompt of `prompt_tokens`: the patch's
+        own, or under a share the rows it buys for this prompt (a prompt too
+        short for them: the fewest rows the algorithm works with)."""
+        if not self.patch.rows_by_prompt():
+            return self.patch.options
+        try:
+            return self.patch.options_for_tokens(prompt_tokens)
+        except OptionError:
+            return self._fewest_rows()
+
+    def _fewest_rows(self):
+        if self._fewest is None:
+            patch = self.patch
+            drop = ("budget", "max_kv_bytes")
+            given = {k: v for k, v in patch.requested.items() if k not in drop}
+            size = smallest_target(patch.model, patch.algo, given, 1)
+            self._fewest = (
+                patch.options if size is None else patch.options_for_bytes(size)
+            )
+        return self._fewest
+
+    def share_note(self, estimate) -> str:
+        """The log's note of the rows the server's share gave a request."""
+        if not self.patch.rows_by_prompt():
+            return ""
+        return f", {estimate.budget} rows a KV head for this prompt"
+
+    def server_estimate(self, prompt_tokens: int, estimate):
+        """`estimate` (the server's), or, under a share, one of this prompt's
+        rows."""
+        if not self.patch.rows_by_prompt():
+            return estimate
+        return KVEstimate(self.patch, self.server_options(prompt_tokens))
