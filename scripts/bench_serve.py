@@ -12,7 +12,9 @@ banned by logit bias so every answer is max_tokens long in every arm. Per level:
 aggregate tokens/s (completion tokens / wall time of the whole wave), time to
 first token, KV bytes each request's caches held when it finished and what
 mlx-lm's cache would have held (the servers' log lines), the server's peak RSS
-(Linux /proc; weights included), and whether the server batched.
+(Linux /proc; weights included), its RSS growth over the idle server while
+the wave runs (sampled every 0.1 s), and whether the server batched. Each
+reader gets its own passage of `--text` (a held-out split or a text file).
 The unpatched arm is mlx-lm's own server code (provider, generator, handler,
 prompt cache) with the embedded GGUF loaded unpatched (`--serve-unpatched`).
 """
@@ -44,6 +46,7 @@ ARMS = {
     "kivi_4bit": ["--algo", "kivi", "--algo-arg", "bits=4"],
     "snapkv_256_kv4": ["--algo", "snapkv", "--budget", "256"]
     + ["--algo-arg", "kv_bits=4"],
+    "auto_12mb": ["--max-kv-bytes", "12MB"],
     "mlx_lm_unpatched": None,
 }
 KV_LINE = re.compile(r"KV held ([\d,]+) bytes \(a full cache would hold ([\d,]+)\)")
@@ -189,14 +192,27 @@ def wave(port: int, prompts: list[str], max_tokens: int, banned=()):
     return results, time.perf_counter() - start
 
 
-def peak_rss(pid: int) -> int | None:
+def peak_rss(pid: int, field: str = "VmHWM") -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+class RSSSampler(threading.Thread):
+    """The most of a process's RSS (VmRSS) every 0.1 s until stopped: the
+    wave's peak, apart from the load's (VmHWM holds that one too)."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.most, self.done = pid, 0, threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.1):
+            self.most = max(self.most, peak_rss(self.pid, "VmRSS") or 0)
 
 
 def measure(arm, n, prompts, args, port, log_path) -> dict:
@@ -204,7 +220,11 @@ def measure(arm, n, prompts, args, port, log_path) -> dict:
     try:
         request(port, "Say hello.", 4)  # warm-up
         skip = len(KV_LINE.findall(log_path.read_text()))
+        idle, sampler = peak_rss(proc.pid, "VmRSS"), RSSSampler(proc.pid)
+        sampler.start()
         results, wall = wave(port, prompts[:n], args.max_tokens, args.banned)
+        sampler.done.set()
+        sampler.join()
         time.sleep(0.5)  # the last log lines
         kv = KV_LINE.findall(log_path.read_text())[skip:]
         rss = peak_rss(proc.pid)
@@ -229,6 +249,8 @@ def measure(arm, n, prompts, args, port, log_path) -> dict:
         "kv_bytes_per_request": statistics.mean(held) if held else None,
         "full_kv_bytes_per_request": statistics.mean(full) if full else None,
         "peak_rss_bytes": rss,
+        "idle_rss_bytes": idle,
+        "wave_rss_growth_bytes": sampler.most - idle if idle else None,
         "batched": "one at a time" not in text and "batchable: False" not in text,
     }
 
@@ -240,6 +262,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--port", type=int, default=18777)
+    ap.add_argument(
+        "--text", default="evaluation", help="a held-out split or a text file"
+    )
     ap.add_argument("--out", default="scripts/results/bench_serve.json")
     ap.add_argument("--serve-unpatched", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -255,10 +280,14 @@ def main():
     arms = args.arms.split(",")
     _, tokenizer = veloxpatch.load()
     args.banned = sorted(tokenizer.eos_token_ids)  # every answer max_tokens long
-    body = tokenizer.decode(prose_tokens(tokenizer, args.prompt_tokens, "evaluation"))
+    n = args.prompt_tokens  # each reader its own passage of the text
+    bodies = [
+        tokenizer.decode(prose_tokens(tokenizer, n, args.text, start=i * n))
+        for i in range(max(levels))
+    ]
     prompts = [
         f"Reader {i + 1}, read this:\n{body}\nSummarize it in one sentence."
-        for i in range(max(levels))
+        for i, body in enumerate(bodies)
     ]
     rows = []
     log_path = Path(tempfile.mkdtemp()) / "server.log"  # one server at a time
@@ -292,12 +321,13 @@ def write_markdown(out, res: dict):
             mb(r.get("kv_bytes_per_request")),
             mb(r.get("full_kv_bytes_per_request")),
             mb(r.get("peak_rss_bytes")),
+            mb(r.get("wave_rss_growth_bytes")),
             "yes" if r.get("batched") else "no",
         ]
         for r in res["table"]
     ]
     head = ["arm", "requests", "agg tok/s", "TTFT s", "KV MB/request"]
-    head += ["full KV MB", "peak RSS MB", "batched"]
+    head += ["full KV MB", "peak RSS MB", "RSS growth over idle MB", "batched"]
     title = "Serving: concurrent chat requests"
     cmd = ".venv/bin/python scripts/bench_serve.py"
     return write_beside(out, res, title, table(head, rows), cmd)
