@@ -158,12 +158,12 @@ def stream_chat(port: int, body: dict, timeout: float = 600) -> dict:
 
 def request(port: int, prompt: str, max_tokens: int, banned=()) -> dict:
     """One streamed chat request: time to first token, completion tokens.
-    `banned` token ids get a logit bias of -1e9 (the end-of-text tokens, so
-    every arm generates exactly max_tokens)."""
+    `banned` token ids get a logit bias of -100, the most the server takes
+    (the end-of-text tokens, so every arm generates exactly max_tokens)."""
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
-        "logit_bias": {str(t): -1e9 for t in banned},
+        "logit_bias": {str(t): -100 for t in banned},
         "temperature": 0.0,
     }
     out = stream_chat(port, body)
