@@ -201,7 +201,8 @@ INTERNALS = (
     ),
     Internal(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",
-        f"{_SERVE} calls and overrides it: evicts by count or bytes (serve/prompt_cache.py)",
+        f"{_SERVE} calls and overrides it: evicts by count or bytes "
+        "(serve/prompt_cache.py)",
         source_sha256=(
             "cc498b9d8bc7e328cd20e325e835e4403e771fdb016482a73d61eac2d3883888"
         ),
@@ -209,7 +210,8 @@ INTERNALS = (
     ),
     Internal(
         "mlx_lm.models.cache:LRUPromptCache.__init__",
-        f"{_SERVE} replaces its `_trie` (a PromptTrie) with its own (serve/prompt_cache.py)",
+        f"{_SERVE} replaces its `_trie` (a PromptTrie) with its own "
+        "(serve/prompt_cache.py)",
         source_sha256=(
             "dad40f4ef6ae45a0e42747c40545cc3b5d7cccf0e32c2af41a13249539d62679"
         ),

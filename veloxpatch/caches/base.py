@@ -126,7 +126,8 @@ class VeloxCache(RowStorage):
         self.offset = 0  # tokens seen = absolute position of the next token
         # tokens seen when the state last took in what a trim cannot undo (an
         # eviction; trimmed queries' statistics): a trim back past it is not the
-        # state those tokens alone leave (serve/prompt_cache.py reuses only trims before it)
+        # state those tokens alone leave (serve/prompt_cache.py reuses only
+        # trims before it)
         self.irreversible_at = None
         self.decode_from = None  # tokens seen when the last prompt ended
         self.phase = PromptPhase()  # make_cache shares one across the layers
