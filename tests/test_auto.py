@@ -265,8 +265,8 @@ def test_the_cli_refuses_auto_without_a_target_before_loading(fixture_table):
         ["generate", "--max-kv-bytes", "0%", "--prompt", "hi"],
         ["generate", "--max-kv-bytes", "20%", "--budget", "8", "--prompt", "hi"],
         ["generate", "--algo", "kvzip", "--max-peak-bytes", "9MB", "--prompt", "x"],
-        ["serve", "--max-kv-bytes", "20%"],
-        ["serve", "--algo", "snapkv", "--max-kv-bytes", "20%"],
+        ["serve", "--max-kv-bytes", "0%"],
+        ["serve", "--algo", "snapkv", "--max-kv-bytes", "150%"],
     ):
         result = runner.invoke(main, args)
         assert result.exit_code == 2, (args, result.output)
