@@ -1,41 +1,20 @@
 """Pricing and admission: what a request may hold, reserved before it is
-queued, under `veloxpatch serve --kv-cap`.
+queued, under `veloxpatch serve --kv-cap` (the cap covers the requests in
+flight and mlx-lm's prompt cache; docs/serving.md, "--kv-cap").
 
-The cap covers every request in flight (queued or generating) plus mlx-lm's
-prompt cache. A request reserves an upper bound on the KV bytes it can hold
-before it is queued (its prompt is tokenized for that), and gives it back when
-its response ends (`KVEstimate`):
-- a cache with a budget (eviction): the more of what it holds while the prompt
-  is read (the whole prompt, or budget + one chunk where it cuts as it reads:
-  `compress="chunks"`, kvzap) and what it holds after (its decode bound,
-  `kv_budget.bound_bytes`, plus the prompt-end snapshot the prompt cache
-  keeps, `prompt_cache.kept_for_later`: the prompt itself for the SnapKV
-  family and kvzip, kvzap's compressed cache), each of no more rows than its
-  tokens. The snapshot is the entry mlx-lm's server would keep; with it, a
-  request whose max_tokens is below the budget holds more than mlx-lm's cache;
-- any other cache (full, kivi, ...): prompt + max_tokens rows at full precision.
-Rows are rounded up to the 256-row growth step, and positions (4 bytes a row)
-are counted. It is a bound, not a measurement: the per-request log line says
-what the caches really held, next to what mlx-lm's own cache would have held.
+`KVEstimate` bounds a request's KV bytes from its prompt's length: with a
+budget, the more of reading (the whole prompt, or budget + one chunk where the
+cache cuts as it reads) and after (the decode bound plus the prompt-end
+snapshot the prompt cache keeps), each of no more rows than its tokens;
+without one, prompt + max_tokens rows. `KVLedger` reserves it, evicting
+prompt-cache entries for room, or refuses: 503 while others hold the room, 413
+when it could never fit.
 
-When a request does not fit, prompt-cache entries are evicted (least recently
-used first) first; if it still does not fit it is refused (`KVLedger`): 503
-while others hold the room (try again later), 413 when it could never fit.
-
-A request's own rows (`Budgets`): a size or a share in its body,
-`"veloxpatch": {"max_kv_bytes": "8MB"}` or `"20%"`, or the server's
-`--max-kv-bytes 20%`. A size is that request's per-sequence byte target: its
-caches are made with the patch's options and this `max_kv_bytes` in place of
-the server's budget (`Patch.options_for_bytes`, priced by `pricing.py` as
-everywhere), its reservation is bounded with those options, and its
-prompt-cache entries live under their own key (`RequestBudget.key`), so that an
-entry made under one budget is never handed to a request with another. A share
-in the body is that many bytes of the request's own prompt, its entries keyed
-by the share. Such requests are served one at a time. The server's share
-prices each request's rows from its prompt too (`Patch.options_for_tokens`; a
-prompt too short for it gets the fewest rows that work), under the server's
-key, and batches: the prompt cache makes a new request's caches for its prompt
-(`prompt_cache.BoundedPromptCache.fresh`).
+`Budgets`: a request's own rows, a size or a share in its body (`"veloxpatch":
+{"max_kv_bytes": ...}`: served alone, its entries under their own key, so an
+entry made under one budget never reaches another), or under the server's
+share (`--max-kv-bytes 20%`) the rows its prompt buys, under the server's key,
+batched (the prompt cache makes its caches, `BoundedPromptCache.fresh`).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@
 - `Generator` (mlx-lm's generation thread) keeps a system prompt's
   prompt-cache entry for requests served one at a time too (`prompt_cache`).
 - `Handler` (mlx-lm's APIHandler) refuses other models, adapters and draft
-  models, checks every field and the prompt's length (`checks`), reserves
-  each request's KV bytes before queueing it (`admission`), and stops a request whose
-  client left or that a SIGTERM/SIGINT cuts (`cuts`).
+  models, checks every field and the prompt's length (`checks`), reserves each
+  request's KV bytes before queueing it (`admission`), and stops a request
+  whose client left or that a SIGTERM/SIGINT cuts (`cuts`).
 """
 
 from __future__ import annotations
