@@ -133,17 +133,13 @@ class Patch:
                 "generate functions, or a size like '24MB'"
             )
         if n_tokens not in self._by_tokens:
-            drop = ("budget", "max_kv_bytes")
-            given = {k: v for k, v in self.requested.items() if k not in drop}
-            given = files_of(self.options) | given
             if self.share is not None:
                 size = self.share.bytes_for(self.model, n_tokens)
-                opts = given | {"max_kv_bytes": size}
+                bound = self.options_for_bytes(size)
             else:
-                opts = held_rows(self.model, self.algo, target, n_tokens, given)
-            self._by_tokens[n_tokens] = make_options(self.cache_cls, opts, self.model)[
-                1
-            ]
+                opts = held_rows(self.model, self.algo, target, n_tokens, self.given())
+                bound = make_options(self.cache_cls, opts, self.model)[1]
+            self._by_tokens[n_tokens] = bound
             while len(self._by_tokens) > 16:  # a few prompt lengths kept
                 self._by_tokens.pop(next(iter(self._by_tokens)))
         return self._by_tokens[n_tokens]
@@ -167,13 +163,16 @@ class Patch:
                 f"{self.algo!r} has no budget (it keeps every token), so no "
                 "max_kv_bytes"
             )
-        given = {
-            k: v
-            for k, v in self.requested.items()
-            if k not in ("budget", "max_kv_bytes")
-        }
-        opts = files_of(self.options) | given | {"max_kv_bytes": limit}
+        opts = self.given() | {"max_kv_bytes": limit}
         return make_options(self.cache_cls, opts, self.model)[1]
+
+    def given(self) -> dict:
+        """The options as applied but the rows (budget, max_kv_bytes), with the
+        calibration files already found: what a new size or share is priced
+        with."""
+        drop = ("budget", "max_kv_bytes")
+        rest = {k: v for k, v in self.requested.items() if k not in drop}
+        return files_of(self.options) | rest
 
     def _check_still_split_as_applied(self) -> None:
         """`model.shard()` or a pipeline split after `apply` would leave the caches

@@ -229,9 +229,7 @@ class Budgets:
     def _fewest_rows(self):
         if self._fewest is None:
             patch = self.patch
-            drop = ("budget", "max_kv_bytes")
-            given = {k: v for k, v in patch.requested.items() if k not in drop}
-            size = smallest_target(patch.model, patch.algo, given, 1)
+            size = smallest_target(patch.model, patch.algo, patch.given(), 1)
             self._fewest = (
                 patch.options if size is None else patch.options_for_bytes(size)
             )
