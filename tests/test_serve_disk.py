@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import smollm
 from serving import running_server
-from test_serve_policy import ASK_A, ASK_B, DOC, REPLAY_ARMS, serve_replaying
+from test_serve_policy import ASK_A, ASK_B, DOC, REPLAY_ARMS, serve
 from tiny import resolve_options, tiny_model
 
 import veloxpatch
@@ -55,14 +55,14 @@ def test_after_a_restart_a_prompt_continues_from_the_entry_on_disk(
     with veloxpatch.patched(model, algo, tokenizer=TOK, **opts) as patch:
         patch.keep_snapshots = True
         memory = BoundedPromptCache()  # the server that never stopped
-        first = serve_replaying(model, memory, DOC + ASK_A)
+        first = serve(model, memory, DOC + ASK_A)
         second = DOC + ASK_A + first[0] + ASK_B
-        follow = serve_replaying(model, memory, second)
-        assert serve_replaying(model, store_on(tmp_path), DOC + ASK_A)[2] == 0
+        follow = serve(model, memory, second)
+        assert serve(model, store_on(tmp_path), DOC + ASK_A)[2] == 0
         assert len(entries(tmp_path)) == 1
         # restarts: memory empty, the same directory
-        retry = serve_replaying(model, store_on(tmp_path), DOC + ASK_A)
-        turn = serve_replaying(model, store_on(tmp_path), second)
+        retry = serve(model, store_on(tmp_path), DOC + ASK_A)
+        turn = serve(model, store_on(tmp_path), second)
     assert retry[2] == len(DOC + ASK_A) - 1
     assert retry[0] == first[0]
     np.testing.assert_allclose(np.array(retry[1]), np.array(first[1]), atol=1e-5)
@@ -78,7 +78,7 @@ def kvzip_entry(tmp_path, identity=ME):
     model = tiny_model("llama")
     with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=24) as patch:
         patch.keep_snapshots = True
-        first = serve_replaying(model, store_on(tmp_path, identity), DOC + ASK_A)
+        first = serve(model, store_on(tmp_path, identity), DOC + ASK_A)
     return model, first
 
 
@@ -87,7 +87,7 @@ def serve_kvzip(model, store, prompt):
 
     with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=24) as patch:
         patch.keep_snapshots = True
-        return serve_replaying(model, store, prompt)
+        return serve(model, store, prompt)
 
 
 def test_a_flipped_byte_is_skipped_removed_and_the_request_served(tmp_path, caplog):

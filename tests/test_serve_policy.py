@@ -9,10 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import greedy
+from mlx_lm.generate import BatchGenerator
 from tiny import SCORER, prompt_tokens, resolve_options, tiny_model
 
 import veloxpatch
 from veloxpatch.serve.prompt_cache import BoundedPromptCache, kept_for_later
+from veloxpatch.serve.replay import ReplayingModel
 
 # an algorithm of each kind of prompt-cache entry: reconstructed, predicted,
 # prompt-end compressed, full
@@ -30,12 +32,14 @@ KEY = ("tiny", None, None)
 
 
 def serve(model, cache_store, prompt, n=6):
-    """One request as mlx-lm's server runs it: (tokens, logprob rows, how many
+    """One request as mlx-lm's server runs it, the model called through
+    ReplayingModel as the server calls it: (tokens, logprob rows, how many
     prompt tokens came from the prompt cache)."""
     cache, rest = cache_store.fetch_nearest_cache(KEY, prompt)
     if cache is None:
         cache, rest = model.make_cache(), prompt
-    toks, rows = greedy(model, mx.array(rest), n=n, prompt_cache=cache)
+    served = ReplayingModel(model)
+    toks, rows = greedy(served, mx.array(rest), n=n, prompt_cache=cache)
     cache_store.insert_cache(KEY, prompt + toks, cache)
     return toks, rows, len(prompt) - len(rest)
 
@@ -431,18 +435,6 @@ def test_a_system_prompt_compressed_alone_is_compressed_once_for_every_user(
     np.testing.assert_allclose(np.array(after[1]), np.array(alone[1]), atol=2e-4)
 
 
-def serve_replaying(model, store, prompt, n=6):
-    """`serve` as the one-at-a-time path runs it: the model called through
-    ReplayingModel, so an entry of exactly this prompt hands its logits."""
-    from veloxpatch.serve.replay import ReplayingModel
-
-    store.replays = True
-    try:
-        return serve(ReplayingModel(model), store, prompt, n=n)
-    finally:
-        store.replays = False
-
-
 @pytest.mark.parametrize("algo,opts", REPLAY_ARMS)
 def test_the_same_prompt_again_continues_from_its_entry(algo, opts):
     """A retry (the same prompt): every algorithm whose entry holds the prompt
@@ -456,30 +448,59 @@ def test_the_same_prompt_again_continues_from_its_entry(algo, opts):
     with veloxpatch.patched(model, algo, tokenizer=TOK, **opts) as patch:
         patch.keep_snapshots = True
         store = BoundedPromptCache()
-        first = serve_replaying(model, store, DOC + ASK_A)
+        first = serve(model, store, DOC + ASK_A)
         assert first[2] == 0
-        again = serve_replaying(model, store, DOC + ASK_A)
-        thrice = serve_replaying(model, store, DOC + ASK_A)
+        again = serve(model, store, DOC + ASK_A)
+        thrice = serve(model, store, DOC + ASK_A)
     for retry in (again, thrice):
         assert retry[2] == len(DOC + ASK_A) - 1
         assert retry[0] == first[0]
         np.testing.assert_allclose(np.array(retry[1]), np.array(first[1]), atol=1e-5)
 
 
-def test_a_compressed_entry_without_replay_starts_over_and_says_why(caplog):
-    """mlx-lm's batched path calls the model itself: no logits are replayed
-    there, and a kvzip entry (compressed as its prompt ended) is not trimmed."""
-    from test_kvzip import TOK
+def serve_batched(model, store, prompts, n=6):
+    """Requests inserted together into one of mlx-lm's BatchGenerators, as its
+    server's batched path runs them (fetch, insert, keep each finished cache):
+    (tokens, logprob rows, cached prompt tokens) per prompt."""
+    gen = BatchGenerator(ReplayingModel(model), stop_tokens=[[-1]], prefill_step_size=7)
+    uids, cached = [], []
+    for p in prompts:
+        cache, rest = store.fetch_nearest_cache(KEY, p)
+        uids += gen.insert([rest], [n], caches=[cache], all_tokens=[p[: -len(rest)]])
+        cached.append(len(p) - len(rest))
+    toks, rows, done = {u: [] for u in uids}, {u: [] for u in uids}, 0
+    while done < len(uids):
+        for r in gen.next_generated():
+            toks[r.uid].append(r.token)
+            rows[r.uid].append(r.logprobs)
+            if r.finish_reason is not None:
+                store.insert_cache(KEY, r.all_tokens, r.prompt_cache)
+                done += 1
+    gen.close()
+    return [(toks[u], mx.stack(rows[u]), c) for u, c in zip(uids, cached)]
 
+
+@pytest.mark.parametrize("algo,opts", REPLAY_ARMS[1:3])
+def test_a_retry_inside_a_batch_continues_from_its_entry(algo, opts):
+    """In a batch (mlx-lm's server under load), a retry reads nothing: its
+    first token comes from the logits its entry kept, beside a follow-up whose
+    one new token the same model call reads, and a new prompt being read.
+    Each gets what it gets alone."""
     model = tiny_model("llama")
-    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=24) as patch:
+    opts = resolve_options(model, opts)
+    other = prompt_tokens(66, seed=31).tolist()  # ends its prompt with DOC + ASK_A
+    waves = [[DOC + ASK_A, other], [DOC + ASK_A, other + [7], ASK_B * 4]]
+    with veloxpatch.patched(model, algo, **opts) as patch:
         patch.keep_snapshots = True
-        store = BoundedPromptCache()
-        first = serve_replaying(model, store, DOC + ASK_A)
-        with caplog.at_level("INFO", logger="veloxpatch.serve"):
-            again = serve(model, store, DOC + ASK_A)
-    assert again[2] == 0 and again[0] == first[0]
-    assert "compressed as its prompt ended" in caplog.text
+        batched, alone = BoundedPromptCache(), BoundedPromptCache()
+        first = serve_batched(model, batched, waves[0])
+        again = serve_batched(model, batched, waves[1])
+        ref = [serve(model, alone, p) for wave in waves for p in wave]
+    assert [r[2] for r in again] == [len(DOC + ASK_A) - 1, len(other), 0]
+    assert again[0][0] == first[0][0]
+    for got, want in zip(first + again, ref):
+        assert got[0] == want[0] and got[2] == want[2]
+        np.testing.assert_allclose(np.array(got[1]), np.array(want[1]), atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -501,6 +522,6 @@ def test_a_short_prompts_entry_holds_no_more_than_mlx_lms_cache(algo, opts):
     with veloxpatch.patched(model, algo, tokenizer=TOK, **opts) as patch:
         patch.keep_snapshots = True
         store = BoundedPromptCache()
-        serve_replaying(model, store, prompt, n=4)
+        serve(model, store, prompt, n=4)
     assert len(store) == 1
     assert store.nbytes <= mlx_bytes, (store.nbytes, mlx_bytes)

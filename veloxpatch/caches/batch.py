@@ -220,6 +220,13 @@ class SequenceBatch(BatchCache):
     def extend(self, other):
         self.caches.extend(other.caches)
 
+    def rows(self, indices) -> SequenceBatch:
+        """The batch of some sequences only, sharing their caches (a model call
+        that leaves the others untouched: serve/replay.py)."""
+        new = copy.copy(self)
+        new.caches = [self.caches[i] for i in indices]
+        return new
+
     def extract(self, idx: int):
         """Sequence `idx` as the algorithm's own cache (a copy: mlx-lm's server
         extracts prompt caches of sequences that go on generating)."""

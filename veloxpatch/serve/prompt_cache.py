@@ -127,9 +127,6 @@ class BoundedPromptCache(LRUPromptCache):
         self._lock = threading.RLock()
         self.ledger = None  # admission.KVLedger, whose cap bounds it
         self._handed = None  # keep_system's fetch, for the request it ran for
-        # the caller runs the model through ReplayingModel (one request at a
-        # time): an exact prompt's entry may hand it the logits it kept
-        self.replays = False
         self.disk = None  # disk.DiskEntries (--prompt-cache-dir)
         # the key of the server's options, whose entries the disk holds (None:
         # every key's); a request's own budget keys its entries apart
@@ -171,8 +168,9 @@ class BoundedPromptCache(LRUPromptCache):
         )
         if cache is not None and not rest and tokens:
             # an entry of exactly this prompt (kept_for_later stores prompts):
-            # mlx-lm needs a token to prefill, so give the last one back
-            if self.replays and replay_last_token(cache, len(tokens)):
+            # mlx-lm needs a token to prefill, so give the last one back; the
+            # model, called through ReplayingModel, replays its kept logits
+            if replay_last_token(cache, len(tokens)):
                 log.info(
                     "prompt cache: the same %d-token prompt again: continues "
                     "from its entry as its prompt ended",
@@ -190,9 +188,6 @@ class BoundedPromptCache(LRUPromptCache):
             why = (
                 "this prompt's entry was compressed as its prompt ended and kept "
                 "no logits to start from"
-                if self.replays
-                else "this prompt's entry was compressed as its prompt ended "
-                "(its logits are replayed only one request at a time)"
             )
         shared = len(tokens) - len(rest)
         if cache is not None and not trimmed_exactly(cache, shared, len(rest)):

@@ -5,20 +5,23 @@ the prompt's last token again, so a retry or a regenerated answer could not
 reuse its entry. The prompt's last call keeps its logits (`ReplayingModel`),
 an entry keeps them with its snapshot, and a fetch of exactly that prompt
 (`replay_last_token`) has the next call return them without touching the
-cache.
+cache, alone or inside one of mlx-lm's batches.
 """
 
 from __future__ import annotations
 
+import mlx.core as mx
+
+from ..errors import UnsupportedCacheOperation
+
 
 class ReplayingModel:
-    """The served model as the one-at-a-time path calls it. A cache compressed
-    as its prompt ended (kvzip, kvzap) cannot be trimmed to read the prompt's
-    last token again, so the same prompt again could not reuse its entry: its
-    prompt's last call keeps its logits (`prompt_logits`, copied into the
-    snapshot), and a fetch of exactly that prompt (`replay_last_token`) has
-    the next call, the last token's, return them without touching the cache.
-    The generation then goes on from the state the first request decoded from."""
+    """The served model as mlx-lm calls it, one request at a time or batched.
+    Each sequence's last prompt call keeps its logits (`prompt_logits`, copied
+    into its snapshot); a sequence armed by `replay_last_token` gets them back
+    for its last token's call, which its caches never see, while the other
+    sequences of that call are run as usual. Generation then goes on from the
+    state the first request decoded from."""
 
     def __init__(self, model):
         self.model = model
@@ -27,18 +30,53 @@ class ReplayingModel:
         return getattr(self.model, name)
 
     def __call__(self, inputs, cache=None, **kwargs):
-        phase = phase_of(cache)
-        if phase is not None and phase.replay is not None:
-            logits, phase.replay = phase.replay, None
-            if inputs.shape[-1] == 1:
-                return logits
-        out = self.model(inputs, cache=cache, **kwargs)
-        # the last prompt call is a lone token (generate_step's `_step`)
-        if phase is not None and phase.keep_snapshot and inputs.shape[-1] == 1:
-            if phase.in_prompt:
-                ours = [c for c in cache if hasattr(c, "phase")]
-                phase.prompt_logits = (ours[0].offset, out[:, -1:, :])
+        sequences = sequence_caches(cache)
+        if not sequences:
+            return self.model(inputs, cache=cache, **kwargs)
+        kept = {}
+        for b, c in enumerate(sequences):
+            if c.phase.replay is not None:
+                kept[b], c.phase.replay = c.phase.replay, None
+        lone = inputs.shape[-1] == 1
+        if kept and lone:
+            out = self._replaying(inputs, cache, kept, kwargs)
+        else:
+            out = self.model(inputs, cache=cache, **kwargs)
+        # a sequence's last prompt call is a lone token (mlx-lm's first step)
+        for b, c in enumerate(sequences if lone else ()):
+            if b not in kept and c.phase.keep_snapshot and c.phase.in_prompt:
+                c.phase.prompt_logits = (c.offset, out[b : b + 1, -1:, :])
         return out
+
+    def _replaying(self, inputs, cache, kept, kwargs):
+        """The call's logits: the kept ones for the `kept` rows, the model's,
+        run on the other rows' caches only, for the rest."""
+        rest = [b for b in range(inputs.shape[0]) if b not in kept]
+        if rest:
+            if not all(hasattr(c, "rows") for c in cache):
+                # Generator serves such a model's replays alone (server.py)
+                raise UnsupportedCacheOperation(
+                    "a replayed prompt cannot share a batch with mlx-lm's caches"
+                )
+            out = self.model(
+                inputs[mx.array(rest)], cache=[c.rows(rest) for c in cache], **kwargs
+            )
+        rows = [
+            kept[b] if b in kept else out[rest.index(b)][None]
+            for b in range(inputs.shape[0])
+        ]
+        return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+
+
+def sequence_caches(cache) -> list:
+    """The first veloxpatch layer's cache of each sequence in a model call (a
+    cache alone, or a batch's per-sequence caches); [] if none is ours."""
+    for c in cache or ():
+        if hasattr(c, "phase"):
+            return [c]
+        if hasattr(c, "rows"):
+            return list(c.caches)
+    return []
 
 
 def phase_of(cache):

@@ -117,7 +117,8 @@ class PatchedModelProvider(ModelProvider):
             # mlx-lm's batches hide each sequence's token ids from the patch
             ok, why = False, f"{self.algo} reconstructs each prompt from its ids"
         self.model_key = (self.served_name(), None, None)
-        self.model, self.tokenizer = model, tokenizer
+        # as mlx-lm calls it: the same prompt again replays its logits (replay.py)
+        self.model, self.tokenizer = ReplayingModel(model), tokenizer
         self.processor, self.draft_model = None, None
         self.is_batchable = ok
         self.batch_note = why
@@ -488,14 +489,15 @@ class Generator(CuttableGenerator):
         # caches of other options (and mlx-lm makes a batch's caches once)
         if getattr(args, "kv_budget", None) is not None:
             return False
+        # a replay skips its caches in a batch's call, which mlx-lm's cannot
+        sites = self.model_provider.patch.sites
+        if getattr(args, "replay", False) and any(s.sliding for s in sites):
+            return False
         return super()._is_batchable(args)
 
     def _serve_single(self, request, stream):
         queue, body, args = request
         read = 0
-        # the same prompt again continues from its entry's kept logits, which
-        # mlx-lm's calls reach through ReplayingModel (replay.py)
-        self.prompt_cache.replays = True
         provider = self.model_provider
         budget = getattr(args, "kv_budget", None)
         if budget is not None:  # its caches and prompt-cache key are its own
@@ -515,15 +517,11 @@ class Generator(CuttableGenerator):
                 log.exception("the system prompt's prompt-cache entry was not kept")
             if read:
                 queue = ReadForTheRequest(queue, read)
-            # the model as mlx-lm calls it, its last prompt logits kept (replay.py)
-            self.model_provider = copy.copy(self.model_provider)
-            self.model_provider.model = ReplayingModel(provider.model)
             super()._serve_single((queue, body, args), stream)
         finally:  # a request that failed before its fetch leaves nothing held
             if budget is not None:
                 self.prompt_cache.fresh.pop(budget.key, None)
             self.model_provider = provider
-            self.prompt_cache.replays = False
             self.prompt_cache.drop_handed()
 
     def _keep_system(self, body, args) -> int:
