@@ -291,3 +291,26 @@ def test_deep_copies_of_quantized_rows_are_independent(algo, opts):
             model(mx.array([[t]]), cache=caches)
         assert [(c.rows, c.slots, c.quantized) for c in twin] == held
         assert greedy(model, prompt_tokens(3, seed=5), n=2, prompt_cache=twin)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kvzip_reconstructs_each_prompt_of_a_batch_from_its_own_ids(arch, monkeypatch):
+    """Told the tokenizer, kvzip reconstructs every prompt of a batch, each
+    from its own ids (not the padding), on its own caches: each sequence gets
+    what it gets alone."""
+    from test_kvzip import TOK
+
+    from veloxpatch.caches.kvzip import reconstruct as module
+
+    contexts, real = [], module.reconstruct
+
+    def counted(model, caches, zipped, context, tokenizer):
+        contexts.append(list(context))
+        return real(model, caches, zipped, context, tokenizer)
+
+    model = tiny_model(arch)
+    with veloxpatch.patched(model, "kvzip", tokenizer=TOK, budget=12) as patch:
+        monkeypatch.setattr(module, "reconstruct", counted)
+        got = run_batch(model, return_prompt_caches=True)
+        assert sorted(contexts) == sorted(prompts())
+        check_alone(model, patch, got.token_ids, got.caches)

@@ -1,6 +1,6 @@
 """`veloxpatch serve --algo kvzip` end to end on the embedded SmolLM2: each
-prompt is reconstructed from the ids the server has (one request at a time),
-the budget holds, and a second turn reuses what the first left."""
+prompt is reconstructed from the ids the server has (batched, each prompt
+from its own), the budget holds, and a second turn reuses what the first left."""
 
 import json
 
@@ -39,7 +39,7 @@ def test_kvzip_serves_turns_from_its_reconstruction():
         again = ask(srv, first)  # the very same prompt: an exact prompt-cache hit
         assert "Paris" in again["choices"][0]["message"]["content"]
         log = srv.log.read_text()
-    assert "reconstructs each prompt from its ids" in log  # served one at a time
+    assert "kvzip caches batch" in log
     assert "prompt cache keeps the" in log
     held = [int(x.replace(",", "")) for x in _held(log)]
     full = [int(x.replace(",", "")) for x in _full(log)]
@@ -64,22 +64,18 @@ def _full(log: str) -> list[str]:
 
 @smollm
 def test_users_sharing_a_system_prompt_read_it_once():
-    """kvzip is served one request at a time, where mlx-lm keeps only a
-    request's end, compressed past the system prompt: the server keeps the
-    system prompt's own entry, so the next user starts from it. Its usage
-    counts it as cached only for the users who did not read it."""
+    """mlx-lm's batches keep the system prompt's own entry as they read it
+    (a request's end is compressed past it), so the next user starts from it.
+    Its usage counts it as cached only for the users who did not read it."""
     args = ["--algo", "kvzip", "--budget", "48", "--max-tokens", "16"]
     system = {"role": "system", "content": "Answer from these notes. " + FACTS}
     with running_server(*args, limit_s=240) as srv:
         asks = ["What is the capital of France?", "When is lunch served?"]
         replies = [ask(srv, [system, {"role": "user", "content": q}]) for q in asks]
         log = srv.log.read_text()
-    kept = [ln for ln in log.splitlines() if "the system prompt's" in ln]
-    assert len(kept) == 1, kept  # read once, by the first user
-    n = int(kept[0].split("the system prompt's ")[1].split(" ")[0])
-    assert n > 100
     cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
-    assert cached == [0, n]
+    assert cached[0] == 0 and 100 < cached[1] < replies[1]["usage"]["prompt_tokens"]
+    assert "kvzip caches batch" in log
     assert "Paris" in replies[0]["choices"][0]["message"]["content"]
     assert "noon" in replies[1]["choices"][0]["message"]["content"]
 

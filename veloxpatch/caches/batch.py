@@ -168,8 +168,7 @@ class SequenceBatch(BatchCache):
             )
         outs = []
         for b, c in enumerate(self.caches):
-            start = 0 if self._skip is None else self._skip[b]
-            end = L if self._todo is None else min(L, start + max(0, self._todo[b]))
+            start, end = self.span(b, L)
             if end <= start:  # only padding for this sequence in this call
                 outs.append(mx.zeros((1, *q.shape[1:]), q.dtype))
                 continue
@@ -201,6 +200,13 @@ class SequenceBatch(BatchCache):
         self._skip = None
         return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
 
+    def span(self, b: int, length: int) -> tuple[int, int]:
+        """Where sequence b's own tokens lie in a call of `length` tokens (the
+        rest is padding)."""
+        start = 0 if self._skip is None else self._skip[b]
+        end = length if self._todo is None else start + max(0, self._todo[b])
+        return start, min(length, end)
+
     # ---- mlx-lm's batch contract ------------------------------------------------
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None and max(left_padding) > 0:
@@ -220,7 +226,7 @@ class SequenceBatch(BatchCache):
     def extend(self, other):
         self.caches.extend(other.caches)
 
-    def rows(self, indices) -> SequenceBatch:
+    def subset(self, indices) -> SequenceBatch:
         """The batch of some sequences only, sharing their caches (a model call
         that leaves the others untouched: serve/replay.py)."""
         new = copy.copy(self)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..caches.batch import SequenceBatch
 from ..errors import UnsupportedCacheOperation
 
 
@@ -53,13 +54,13 @@ class ReplayingModel:
         run on the other rows' caches only, for the rest."""
         rest = [b for b in range(inputs.shape[0]) if b not in kept]
         if rest:
-            if not all(hasattr(c, "rows") for c in cache):
+            if not all(isinstance(c, SequenceBatch) for c in cache):
                 # Generator serves such a model's replays alone (server.py)
                 raise UnsupportedCacheOperation(
                     "a replayed prompt cannot share a batch with mlx-lm's caches"
                 )
             out = self.model(
-                inputs[mx.array(rest)], cache=[c.rows(rest) for c in cache], **kwargs
+                inputs[mx.array(rest)], cache=[c.subset(rest) for c in cache], **kwargs
             )
         rows = [
             kept[b] if b in kept else out[rest.index(b)][None]
@@ -74,7 +75,7 @@ def sequence_caches(cache) -> list:
     for c in cache or ():
         if hasattr(c, "phase"):
             return [c]
-        if hasattr(c, "rows"):
+        if isinstance(c, SequenceBatch):
             return list(c.caches)
     return []
 

@@ -113,9 +113,6 @@ class PatchedModelProvider(ModelProvider):
             self.algo, self.options = self.patch.algo, dict(self.patch.requested)
         self.patch.keep_snapshots = True  # the prompt cache's policy (prompt_cache.py)
         ok, why = batch_support(self.patch.make_cache(options=self.patch.options))
-        if ok and self.patch.cache_cls.wants_token_ids:
-            # mlx-lm's batches hide each sequence's token ids from the patch
-            ok, why = False, f"{self.algo} reconstructs each prompt from its ids"
         self.model_key = (self.served_name(), None, None)
         # as mlx-lm calls it: the same prompt again replays its logits (replay.py)
         self.model, self.tokenizer = ReplayingModel(model), tokenizer
@@ -488,6 +485,8 @@ class Generator(CuttableGenerator):
         # a request with its own budget is served alone: a batch would hold
         # caches of other options (and mlx-lm makes a batch's caches once)
         if getattr(args, "kv_budget", None) is not None:
+            return False
+        if self.compress_system:  # `_keep_system` runs one request at a time
             return False
         # a replay skips its caches in a batch's call, which mlx-lm's cannot
         sites = self.model_provider.patch.sites

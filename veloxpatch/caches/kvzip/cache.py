@@ -105,9 +105,8 @@ class KVzipCache(EvictingCache):
     note = (
         "reconstructs each prompt (1.4x an unpatched prefill in all at 2,000 "
         "tokens, scripts/results/bench_compress.md) wherever the ids reach "
-        "it: patch.prefill, veloxpatch compress, and mlx_lm.generate or the "
-        "server when the patch knows the tokenizer; batched prompts are scored "
-        "by their last 32 queries instead."
+        "it: patch.prefill, veloxpatch compress, and mlx_lm.generate, "
+        "batch_generate or the server when the patch knows the tokenizer."
     )
     Options = KVzipOptions
 

@@ -16,6 +16,8 @@ import copy
 
 import mlx.core as mx
 
+from ..batch import SequenceBatch
+
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # tokens of the previous chunk a later chunk starts from
@@ -62,26 +64,31 @@ def model_forward(cls, patch, wrapped, model, args, kwargs):
     call, prompt and generated, and before the call that ends a prompt it runs
     the reconstruction pass over what was added since the last compression (a
     second turn: the answer and the new prompt), so mlx-lm's generate
-    functions and the server score as `prefill` does. Batched calls (one
-    cache list per batch) pass through: their sequences are scored by their
-    prompt's window (`cache.py`)."""
+    functions and the server score as `prefill` does. In one of mlx-lm's
+    batches each sequence records its own ids (not the padding) and is
+    reconstructed on its own caches; a batch with mlx-lm's caches (sliding-
+    window layers) passes through, its sequences scored by their prompt's
+    window (`cache.py`)."""
     ids = args[0] if args else kwargs.get("inputs")
     caches = kwargs["cache"] if "cache" in kwargs else (args[1:2] or [None])[0]
-    zipped = [c for c in caches or () if isinstance(c, cls)]
-    if (
-        not zipped
-        or not isinstance(ids, mx.array)
-        or ids.ndim != 2
-        or ids.shape[0] != 1
-        or zipped[0].phase.suspended
-    ):
+    if not isinstance(ids, mx.array) or ids.ndim != 2 or not caches:
         return wrapped(*args, **kwargs)
-    first = zipped[0]
-    n, offset = ids.shape[1], first.offset
-    if first.phase.would_end(n):
-        _score_segment(patch, model, caches, zipped)
-    # generated tokens too: a later prompt's pass reconstructs the answer with it
-    first.phase.record(offset, ids[0].tolist())
+    if all(isinstance(c, SequenceBatch) for c in caches):
+        sequences = [
+            ([c.caches[b] for c in caches], *caches[0].span(b, ids.shape[1]))
+            for b in range(ids.shape[0])
+        ]
+    else:
+        sequences = [(caches, 0, ids.shape[1])] if ids.shape[0] == 1 else []
+    for b, (own, start, end) in enumerate(sequences):
+        zipped = [c for c in own if isinstance(c, cls)]
+        if not zipped or zipped[0].phase.suspended or end <= start:
+            continue
+        first = zipped[0]
+        if first.phase.would_end(end - start):
+            _score_segment(patch, model, own, zipped)
+        # generated tokens too: a later prompt's pass reconstructs the answer
+        first.phase.record(first.offset, ids[b, start:end].tolist())
     return wrapped(*args, **kwargs)
 
 
