@@ -47,6 +47,7 @@ ARMS = {
     "snapkv_256_kv4": ["--algo", "snapkv", "--budget", "256"]
     + ["--algo-arg", "kv_bits=4"],
     "auto_12mb": ["--max-kv-bytes", "12MB"],
+    "kvzip_256": ["--algo", "kvzip", "--budget", "256"],
     "mlx_lm_unpatched": None,
 }
 KV_LINE = re.compile(r"KV held ([\d,]+) bytes \(a full cache would hold ([\d,]+)\)")

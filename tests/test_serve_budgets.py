@@ -161,7 +161,7 @@ def test_the_servers_share_gives_each_new_prompt_its_own_rows():
     """`--max-kv-bytes 20%`: the prompt cache makes a new request's caches
     for its prompt, and the reservation prices the same rows; a prompt too
     short for the share gets the fewest rows snapkv works with."""
-    from veloxpatch.serve.server import batch_support
+    from veloxpatch.serve.server import batch_refusal
 
     model = tiny_model("llama")
     with veloxpatch.patched(model, "snapkv", window=8, max_kv_bytes="20%") as patch:
@@ -182,4 +182,4 @@ def test_the_servers_share_gives_each_new_prompt_its_own_rows():
         assert budgets.server_options(3).budget == 8 + 1  # the window, and one
         # another key (a request's own budget) still starts from nothing
         assert store.fetch_nearest_cache(("other",), tokens)[0] is None
-        assert batch_support(patch.make_cache(options=patch.options))[0]
+        assert not batch_refusal(patch.make_cache(options=patch.options))

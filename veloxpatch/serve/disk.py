@@ -3,10 +3,9 @@
 Every entry the prompt cache keeps (`prompt_cache.BoundedPromptCache.insert_cache`) is
 also written to DIR as `entry-<hash>.safetensors` in the project's cache file
 format (`caches.io.save_cache`: checksummed, written to a temporary name in DIR
-and renamed). Its metadata names what it was made by (`identity`: the served
-model, a hash of its fingerprint, the algorithm and its options), the entry's
-token ids, its type, and where it keeps the last prompt token's logits (kvzip's
-and kvzap's exact retries, `kv.ReplayingModel`) the offset they belong to.
+and renamed), with what made it (`identity`: the served model, a hash of its
+fingerprint, the algorithm and its options), its token ids, its type, and any
+last-token logits it keeps (`replay.py`).
 
 A request whose prompt starts with a stored entry's tokens, or shares a start
 with a longer entry that can be trimmed back to it (mlx-lm's own fetch rule),
@@ -17,10 +16,9 @@ mtime; a load touches its file) are deleted to fit.
 
 Faults are each one log line, and the request is served from scratch: at start
 a temporary file (a write cut by kill -9) is removed, and a file whose header
-is damaged is removed; a file of another model or algorithm/options is left
-alone (another server may share the directory) and never loaded; a file whose
-checksum fails when it is loaded is removed; a directory that cannot be
-written leaves the server serving from memory.
+is damaged, or made by another model, algorithm or options, is removed; a
+file whose checksum fails when it is loaded is removed; a directory that
+cannot be written leaves the server serving from memory.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
-"""The same prompt again, from its entry: logits replay.
-
-A cache compressed as its prompt ended (kvzip, kvzap) cannot be trimmed to read
-the prompt's last token again, so a retry or a regenerated answer could not
-reuse its entry. The prompt's last call keeps its logits (`ReplayingModel`),
-an entry keeps them with its snapshot, and a fetch of exactly that prompt
-(`replay_last_token`) has the next call return them without touching the
-cache, alone or inside one of mlx-lm's batches.
-"""
+"""The same prompt again, from its entry: a cache compressed as its prompt
+ended (kvzip, kvzap) cannot be trimmed to read the last token again, so its
+entry keeps that token's logits and the retry's call returns them."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from ..caches.batch import SequenceBatch
-from ..errors import UnsupportedCacheOperation
 
 
 class ReplayingModel:
-    """The served model as mlx-lm calls it, one request at a time or batched.
-    Each sequence's last prompt call keeps its logits (`prompt_logits`, copied
-    into its snapshot); a sequence armed by `replay_last_token` gets them back
-    for its last token's call, which its caches never see, while the other
-    sequences of that call are run as usual. Generation then goes on from the
-    state the first request decoded from."""
+    """The served model as mlx-lm calls it, alone or batched: each sequence's
+    last prompt call keeps its logits (`prompt_logits`, copied into its
+    snapshot); one armed by `replay_last_token` gets them back for its last
+    token, which its caches never see, while the call's other rows run."""
 
     def __init__(self, model):
         self.model = model
@@ -53,12 +44,7 @@ class ReplayingModel:
         """The call's logits: the kept ones for the `kept` rows, the model's,
         run on the other rows' caches only, for the rest."""
         rest = [b for b in range(inputs.shape[0]) if b not in kept]
-        if rest:
-            if not all(isinstance(c, SequenceBatch) for c in cache):
-                # Generator serves such a model's replays alone (server.py)
-                raise UnsupportedCacheOperation(
-                    "a replayed prompt cannot share a batch with mlx-lm's caches"
-                )
+        if rest:  # every layer ours (replay_last_token): each a SequenceBatch
             out = self.model(
                 inputs[mx.array(rest)], cache=[c.subset(rest) for c in cache], **kwargs
             )
@@ -92,12 +78,13 @@ def phase_of(cache):
 
 def replay_last_token(cache, n: int) -> bool:
     """Arm `cache` (an entry of exactly n prompt tokens, past its prompt's
-    end) to give its kept logits for the last token: whether it could."""
+    end, every layer ours: in a batch it sits out a call) to give its kept
+    logits for the last token: whether it could."""
     phase = phase_of(cache)
     kept = getattr(phase, "prompt_logits", None)
     if kept is None or kept[0] != n or phase.in_prompt:
         return False
-    if any(c.offset != n for c in cache if hasattr(c, "phase")):
+    if any(getattr(c, "phase", None) is None or c.offset != n for c in cache):
         return False
     phase.replay = kept[1]
     return True

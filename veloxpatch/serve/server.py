@@ -44,22 +44,15 @@ from .replay import ReplayingModel
 log = logging.getLogger("veloxpatch.serve")
 
 
-def batch_support(caches) -> tuple[bool, str]:
-    """(can mlx-lm's BatchGenerator take these caches, why not). veloxpatch
-    caches say so with `batchable`; mlx-lm's own (sliding-window layers) have
-    `merge` when they batch, which is what mlx-lm's server checks."""
+def batch_refusal(caches) -> str:
+    """Why mlx-lm's BatchGenerator cannot take these caches ("": it can), by
+    veloxpatch's `batchable` and, for mlx-lm's own, mlx-lm's rule (`merge`)."""
     for c in caches:
-        if c is None:
-            continue
-        if isinstance(c, VeloxCache):
-            if not getattr(type(c), "batchable", False):
-                why = getattr(type(c), "batch_refusal", "")
-                return False, f"{type(c).__name__} cannot batch" + (
-                    f": {why}" if why else " (no batch support yet)"
-                )
-        elif not hasattr(c, "merge"):
-            return False, f"mlx-lm's {type(c).__name__} cannot batch"
-    return True, ""
+        if isinstance(c, VeloxCache) and not type(c).batchable:
+            return f"{type(c).__name__} cannot batch: {type(c).batch_refusal}"
+        if c is not None and not hasattr(c, "merge"):
+            return f"mlx-lm's {type(c).__name__} cannot batch"
+    return ""
 
 
 class PatchedModelProvider(ModelProvider):
@@ -70,7 +63,6 @@ class PatchedModelProvider(ModelProvider):
         self.source = model  # None: the embedded SmolLM2
         self.algo, self.options, self.quantized = algo, dict(options), quantized
         self.patch = None
-        self.batch_note = ""
 
     def names(self) -> set[str]:
         """The model names a request may give: mlx-lm's default, the path as
@@ -112,14 +104,13 @@ class PatchedModelProvider(ModelProvider):
         if auto:  # from here on the server is what auto chose, by name and options
             self.algo, self.options = self.patch.algo, dict(self.patch.requested)
         self.patch.keep_snapshots = True  # the prompt cache's policy (prompt_cache.py)
-        ok, why = batch_support(self.patch.make_cache(options=self.patch.options))
+        why = batch_refusal(self.patch.make_cache(options=self.patch.options))
         self.model_key = (self.served_name(), None, None)
         # as mlx-lm calls it: the same prompt again replays its logits (replay.py)
         self.model, self.tokenizer = ReplayingModel(model), tokenizer
         self.processor, self.draft_model = None, None
-        self.is_batchable = ok
-        self.batch_note = why
-        if not ok:
+        self.is_batchable = not why
+        if why:
             log.warning("serving requests one at a time: %s", why)
         else:
             log.info("%s caches batch: requests are served together", self.algo)
@@ -487,10 +478,6 @@ class Generator(CuttableGenerator):
         if getattr(args, "kv_budget", None) is not None:
             return False
         if self.compress_system:  # `_keep_system` runs one request at a time
-            return False
-        # a replay skips its caches in a batch's call, which mlx-lm's cannot
-        sites = self.model_provider.patch.sites
-        if getattr(args, "replay", False) and any(s.sliding for s in sites):
             return False
         return super()._is_batchable(args)
 
