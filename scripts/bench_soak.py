@@ -562,6 +562,7 @@ def write_markdown(out, res: dict):
                 pct(r, 50),
                 pct(r, 90),
                 pct(r, 99),
+                retry_over_new(r.get("ttft_s_p50_by_kind") or {}),
                 r["retries_same_text"],
             ]
         )
@@ -569,7 +570,8 @@ def write_markdown(out, res: dict):
     head += ["RSS max/min after 1st quarter", "RSS peak, 4th quarter / 2nd"]
     head += ["KV reserved max MB"]
     head += ["prompt cache max MB", "requests", "statuses", "unexpected"]
-    head += ["TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "retries same text"]
+    head += ["TTFT p50 s", "TTFT p90 s", "TTFT p99 s"]
+    head += ["TTFT p50 retry / new document s", "retries same text"]
     body = table(head, rows)
     body += [
         "",
@@ -585,6 +587,14 @@ def write_markdown(out, res: dict):
         body += ["", f"![memory over time]({plot})" if plot.endswith(".png") else plot]
     title = "Soak: simulated users against one server"
     return write_beside(out, res, title, body, ".venv/bin/python scripts/bench_soak.py")
+
+
+def retry_over_new(p50: dict) -> str:
+    """A retry's first token against a new document's (p50s, and their ratio)."""
+    retry, new = p50.get("retry"), p50.get("new")
+    if retry is None or not new:
+        return ""
+    return f"{retry:.2f} / {new:.2f} ({retry / new:.2f}x)"
 
 
 def parse_args(argv=None):
