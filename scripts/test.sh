@@ -12,8 +12,9 @@ if ! .venv/bin/python -c "import sys; from veloxpatch import blas; sys.exit(0 if
 ################################################################################
 MSG
 fi
-# One pytest worker per core, up to 4, each with one core's BLAS threads
-# (tests/conftest.py); a module's tests on one worker, so its servers and model
-# loads start once (322 s against 343 s spread test by test): ~5.5 min on 2 cores.
-workers=${VELOXPATCH_TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, os.cpu_count() or 1))")}
+# One pytest worker more than the cores, up to 4, each with one core's BLAS
+# threads (tests/conftest.py): server tests wait on their servers, and a third
+# worker on 2 cores fills that time (325 s against 388 s with two); a module's
+# tests on one worker, so its servers and model loads start once.
+workers=${VELOXPATCH_TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, (os.cpu_count() or 1) + 1))")}
 exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadscope "$@"
