@@ -52,7 +52,6 @@ class KVEstimate:
     with instead, a request's own budget)."""
 
     def __init__(self, patch, options=None):
-
         model, options = patch.model, options or patch.options
         self.dims = dims = adapter_for(model).dims(model)
         self.dtype = dtype = kv_dtype_size(model)
@@ -98,12 +97,7 @@ class KVEstimate:
 class KVLedger:
     """Reservations of the requests in flight, and the cap (None: no cap)."""
 
-    def __init__(
-        self,
-        cap: int | None,
-        prompt_cache,
-        max_requests: int | None = None,
-    ):
+    def __init__(self, cap: int | None, prompt_cache, max_requests: int | None = None):
         self.cap = cap
         self.max_requests = max_requests  # in flight at once (None: no bound)
         self.prompt_cache = prompt_cache

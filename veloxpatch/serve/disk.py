@@ -112,7 +112,6 @@ class DiskEntries:
         )
 
     def _index(self, path: Path) -> None:
-
         try:
             header = check_safetensors(path, CacheFileError)
             info = json.loads(header.get("__metadata__", {}).get("veloxpatch", ""))

@@ -64,6 +64,13 @@ class KeepingPromptTrie(PromptTrie):
         return found
 
 
+def _instead(cache, tokens, rest) -> str:
+    """What a fetch that passed an entry over serves from instead."""
+    if cache is None:
+        return "starting over"
+    return f"a shorter one holds {len(tokens) - len(rest)} tokens"
+
+
 def _values_below(node, most: int) -> int:
     """Entries at or under a trie node, counted up to `most`."""
     count, stack = 0, [node]
@@ -157,9 +164,7 @@ class BoundedPromptCache(LRUPromptCache):
                 "caches cannot be trimmed back to them; %s",
                 longer,
                 len(tokens),
-                "starting over"
-                if cache is None
-                else f"a shorter one holds {len(tokens) - len(rest)} tokens",
+                _instead(cache, tokens, rest),
             )
         shared = len(tokens) - len(rest)
         why = (
@@ -195,13 +200,7 @@ class BoundedPromptCache(LRUPromptCache):
             # followed it (another request's prompt): not reused; a shorter entry
             # (the shared system prompt) is, or the request starts over
             cache, rest = self._shorter_entry(model, tokens)
-            log.info(
-                "prompt cache: %s; %s",
-                why,
-                "starting over"
-                if cache is None
-                else f"a shorter one holds {len(tokens) - len(rest)} tokens",
-            )
+            log.info("prompt cache: %s; %s", why, _instead(cache, tokens, rest))
         return cache, rest
 
     def _load_from_disk(self, model, tokens) -> None:

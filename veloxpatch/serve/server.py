@@ -76,7 +76,6 @@ class PatchedModelProvider(ModelProvider):
         return names
 
     def served_name(self) -> str:
-
         return str(self.source) if self.source else embedded_model_path().stem
 
     def load_default(self):
@@ -92,7 +91,6 @@ class PatchedModelProvider(ModelProvider):
         return self.model, self.tokenizer
 
     def _load_patched(self):
-
         model, tokenizer = load(self.source, quantized=self.quantized)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
