@@ -452,11 +452,12 @@ def test_sigterm_during_a_long_prefill_exits_without_waiting_for_it():
         time.sleep(1.0)  # prefilling
         start = time.monotonic()
         os.kill(srv.pid, signal.SIGTERM)
-        srv.proc.wait(timeout=10)
+        srv.proc.wait(timeout=15)
         took = time.monotonic() - start
         thread.join(timeout=10)
         print(f"SIGTERM mid-prefill: server exited {took:.2f} s after")
-        assert took < 5 and srv.proc.returncode == 0
+        # the prefill alone takes ~20 s; a loaded suite took 5.6 s to exit
+        assert took < 10 and srv.proc.returncode == 0
         status, text = results["r"]
         assert status == 503 and "server shutting down" in text
 
