@@ -28,13 +28,6 @@ from model_adapters import adapter_for
 from .. import pricing
 from ..errors import OptionError
 from ..memory import full_rows
-from ..pricing import (
-    bound_bytes,
-    holds_of,
-    kv_dtype_size,
-    parse_target,
-    smallest_target,
-)
 from .checks import FIELD, SIZE_FIELD, BadRequest
 
 
@@ -54,7 +47,7 @@ class KVEstimate:
     def __init__(self, patch, options=None):
         model, options = patch.model, options or patch.options
         self.dims = dims = adapter_for(model).dims(model)
-        self.dtype = dtype = kv_dtype_size(model)
+        self.dtype = dtype = pricing.kv_dtype_size(model)
         self.options = options
         layers = list(zip(dims.kv_heads, dims.head_dims, dims.sliding))
         # sliding-window layers keep mlx-lm's cache: counted whole, as a bound
@@ -66,7 +59,7 @@ class KVEstimate:
         self.budget = getattr(options, "budget", None)
         # compress="chunks": that bound holds while the prompt is read too
         self.bounds_prompt = self.budget is not None and (
-            holds_of(options).reading_rows is not None
+            pricing.holds_of(options).reading_rows is not None
         )
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
@@ -76,12 +69,14 @@ class KVEstimate:
             return held + self.patched_row * rows
         # no cache holds more rows than the request has tokens (grown in steps)
         args = (self.options, self.dims, self.dtype, self.budget)
-        decoding = bound_bytes(*args, rows, decode=True)
+        decoding = pricing.bound_bytes(*args, rows, decode=True)
         if self.bounds_prompt:  # reading holds one chunk more, the prompt at most
-            reading = bound_bytes(*args, full_rows(prompt_tokens))
+            reading = pricing.bound_bytes(*args, full_rows(prompt_tokens))
             # kvzap's snapshot, taken once it compressed: a gather of its rows
             kept = (
-                bound_bytes(*args, prompt_tokens, decode=True) if self.snapshot else 0
+                pricing.bound_bytes(*args, prompt_tokens, decode=True)
+                if self.snapshot
+                else 0
             )
         else:  # the whole prompt while it is read, and the snapshot taken then
             reading = self.patched_row * full_rows(prompt_tokens)
@@ -183,7 +178,7 @@ class Budgets:
         if field.get("max_kv_bytes") is None:
             return None
         try:
-            target = parse_target(field["max_kv_bytes"], SIZE_FIELD)
+            target = pricing.parse_target(field["max_kv_bytes"], SIZE_FIELD)
         except OptionError as e:
             raise BadRequest(str(e)) from None
         limit = target.bytes_for(self.patch.model, prompt_tokens)
@@ -223,7 +218,7 @@ class Budgets:
     def _fewest_rows(self):
         if self._fewest is None:
             patch = self.patch
-            size = smallest_target(patch.model, patch.algo, patch.given(), 1)
+            size = pricing.smallest_target(patch.model, patch.algo, patch.given(), 1)
             self._fewest = (
                 patch.options if size is None else patch.options_for_bytes(size)
             )

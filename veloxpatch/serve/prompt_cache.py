@@ -24,7 +24,7 @@ from mlx_lm.models.cache import (
 
 from ..caches import VeloxCache
 from ..memory import full_kv_bytes, kv_bytes
-from .replay import kept_logits_bytes, phase_of, replay_last_token, revive
+from .replay import kept_logits, replay_last_token, revive
 
 log = logging.getLogger("veloxpatch.serve")
 
@@ -356,13 +356,8 @@ class BoundedPromptCache(LRUPromptCache):
                 self._lru.touch(model, tokens[:n], first=True)  # moved on from
             self._price_logits(model, tokens, prompt_cache)
             if to_disk and self.disk is not None and self._on_disk(model):
-                kept = getattr(phase_of(prompt_cache), "prompt_logits", None)
-                self.disk.store(tokens, prompt_cache, cache_type, kept)
-            elif to_disk and self.disk is not None:
-                log.info(
-                    "prompt cache: an entry of a request's own budget (%s) is "
-                    "kept in memory only, not on disk",
-                    model[-1],
+                self.disk.store(
+                    tokens, prompt_cache, cache_type, kept_logits(prompt_cache)
                 )
             room = self.ledger.prompt_cache_room() if self.ledger else None
             if room is not None and self.nbytes > room:
@@ -371,8 +366,8 @@ class BoundedPromptCache(LRUPromptCache):
     def _price_logits(self, model, tokens, prompt_cache) -> None:
         """Add the logits an entry keeps (`ReplayingModel`) to its price: mlx-lm
         sums its caches' nbytes only."""
-        extra = kept_logits_bytes(prompt_cache)
-        if not extra:
+        kept = kept_logits(prompt_cache)
+        if kept is None:
             return
         try:
             entry = self._trie.get(model, tokens)
@@ -380,9 +375,9 @@ class BoundedPromptCache(LRUPromptCache):
             return
         if entry.prompt_cache is not prompt_cache:
             return
-        entry.nbytes += extra
-        self._n_bytes += extra
-        self._n_bytes_by_type[entry.cache_type] += extra
+        entry.nbytes += kept[1].nbytes
+        self._n_bytes += kept[1].nbytes
+        self._n_bytes_by_type[entry.cache_type] += kept[1].nbytes
         if self._n_bytes > self.max_bytes:
             self.trim_to(n_bytes=self.max_bytes)
 
@@ -445,7 +440,7 @@ def kept_for_later(tokens, caches):
         return None
     _, n, copies = snapshot
     fit_buffers(copies)  # priced at its rows, not the buffers' growth step
-    kept = copies and getattr(phase_of(copies), "prompt_logits", None)
+    kept = kept_logits(copies)
     if kept:
         mx.eval(kept[1])
     # kvzip and kvzap snapshot after their (question-agnostic) compression

@@ -66,27 +66,23 @@ def sequence_caches(cache) -> list:
     return []
 
 
-def phase_of(cache):
-    """The prompt phase a list of caches shares (None: no veloxpatch cache)."""
-    if not cache:
-        return None
-    for c in cache:
-        if hasattr(c, "phase"):
-            return c.phase
-    return None
+def kept_logits(cache):
+    """(n, logits) of its prompt's last token that a cache's phase kept
+    (`prompt_logits`), or None."""
+    first = sequence_caches(cache)
+    return getattr(first[0].phase, "prompt_logits", None) if first else None
 
 
 def replay_last_token(cache, n: int) -> bool:
     """Arm `cache` (an entry of exactly n prompt tokens, past its prompt's
     end, every layer ours: in a batch it sits out a call) to give its kept
     logits for the last token: whether it could."""
-    phase = phase_of(cache)
-    kept = getattr(phase, "prompt_logits", None)
-    if kept is None or kept[0] != n or phase.in_prompt:
-        return False
     if any(getattr(c, "phase", None) is None or c.offset != n for c in cache):
         return False
-    phase.replay = kept[1]
+    kept = kept_logits(cache)
+    if kept is None or kept[0] != n or cache[0].phase.in_prompt:
+        return False
+    cache[0].phase.replay = kept[1]
     return True
 
 
@@ -101,8 +97,3 @@ def revive(caches, kept) -> None:
     phase.size = len(ours)
     phase.keep_snapshot = type(ours[0]).policy_for(ours[0].options) == "prompt"
     phase.prompt_logits = kept
-
-
-def kept_logits_bytes(cache) -> int:
-    kept = getattr(phase_of(cache), "prompt_logits", None)
-    return 0 if kept is None else kept[1].nbytes
