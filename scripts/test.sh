@@ -15,6 +15,7 @@ fi
 # One pytest worker more than the cores, up to 4, each with one core's BLAS
 # threads (tests/conftest.py): server tests wait on their servers, and a third
 # worker on 2 cores fills that time (325 s against 388 s with two); a module's
-# tests on one worker, so its servers and model loads start once.
+# tests on one worker, so its servers and model loads start once; the longest
+# modules first (tests/conftest.py), not xdist's order by number of tests.
 workers=${VELOXPATCH_TEST_WORKERS:-$(.venv/bin/python -c "import os; print(min(4, (os.cpu_count() or 1) + 1))")}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadscope "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadscope --no-loadscope-reorder "$@"
