@@ -118,7 +118,7 @@ def test_long_decode_keeps_memory_bounded(algo, opts):
         caches = patch.make_cache()
         y = prompt_tokens(8)[None]
         seen = []
-        for step in range(2000):  # 30x the budget: many eviction cycles
+        for step in range(1000):  # 15x the budget: many eviction cycles
             logits = model(y, cache=caches)
             y = mx.argmax(logits[:, -1:], axis=-1)
             mx.eval(y, [c.state for c in caches])
@@ -126,7 +126,7 @@ def test_long_decode_keeps_memory_bounded(algo, opts):
                 seen.append(kv_bytes(caches))
                 assert caches[0].rows <= caches[0].row_bound()
     cache = caches[0]
-    assert cache.offset == 8 + 1999
+    assert cache.offset == 8 + 999
     row = 2 * cache.keys.shape[1] * cache.keys.shape[3] * 4 + 4 * cache.keys.shape[1]
     if algo == "snapkv":  # between budget and budget + window, + its queries
         queries = 4 * 16 * cache.keys.shape[3] * 4  # query heads x window x D, fp32
