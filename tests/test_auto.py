@@ -227,6 +227,11 @@ def test_a_share_target_sets_each_prompts_rows(fixture_table):
         step = generate_step(tokens, model, max_tokens=1)
         next(step)
         assert patch._last_caches[0]().options.budget == long
+        # its line says the rows of the prompt it read last, not the table's
+        line = patch.auto.line()
+        assert line.startswith(f"auto: {patch.algo}, {long} rows")
+        assert "the last prompt read, 1600 tokens" in line
+        assert patch.rows_by_prompt()  # the next prompt still sets its own
         with pytest.raises(OptionError, match="with no prompt") as e:
             patch.make_cache()
         assert "\n" not in str(e.value)

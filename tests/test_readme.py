@@ -62,6 +62,7 @@ def test_the_first_python_example_answers_and_says_what_auto_chose(tmp_path):
         reply, line = answer.rstrip("\n").rsplit("\n", 1)
         assert expected in reply, answer
         assert line.startswith("auto: ") and "of full KV" in line, answer
+        assert "the last prompt read" in line, answer  # the rows that ran
 
 
 # ---- every keyword the README and docs/algorithms.md show is one the code takes ----

@@ -57,7 +57,7 @@ class Patch:
         self._by_budget: dict = {}  # max_kv_size -> (class, options)
         self.auto = None  # auto.Choice, where algo="auto" chose this algorithm
         self.share = None  # pricing.Target: a named algorithm's max_kv_bytes="20%"
-        self._by_tokens: dict = {}  # a share target: prompt tokens -> options
+        self._by_tokens: dict = {}  # a share: prompt tokens -> (options, auto line)
         self.active = False
         self._prior_make_cache = _MISSING
         self._last_caches: list = []
@@ -133,16 +133,21 @@ class Patch:
                 "generate functions, or a size like '24MB'"
             )
         if n_tokens not in self._by_tokens:
+            read = None
             if self.share is not None:
                 size = self.share.bytes_for(self.model, n_tokens)
                 bound = self.options_for_bytes(size)
             else:
                 opts = held_rows(self.model, self.algo, target, n_tokens, self.given())
                 bound = make_options(self.cache_cls, opts, self.model)[1]
-            self._by_tokens[n_tokens] = bound
+                read = self.auto.for_prompt(n_tokens, opts)
+            self._by_tokens[n_tokens] = (bound, read)
             while len(self._by_tokens) > 16:  # a few prompt lengths kept
                 self._by_tokens.pop(next(iter(self._by_tokens)))
-        return self._by_tokens[n_tokens]
+        bound, read = self._by_tokens[n_tokens]
+        if read is not None:  # auto's line says the rows of the prompt last read
+            self.auto = read
+        return bound
 
     def _for_budget(self, max_kv_size: int):
         if max_kv_size not in self._by_budget:

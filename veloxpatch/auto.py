@@ -194,10 +194,21 @@ class Choice:
     read: float | None = None  # the row's read time / an unpatched prefill's
     best: dict | None = None  # the row answering best, where not the one picked
     best_read: float | None = None
+    last_prompt: int | None = (
+        None  # a share's rows follow each prompt: the last's tokens
+    )
 
     @property
     def budget(self) -> int:
         return self.options["budget"]
+
+    def for_prompt(self, n_tokens: int, options: dict) -> Choice:
+        """This choice having read a prompt of `n_tokens` with the rows its
+        share bought for it (`options`): its line then says that prompt's rows."""
+        peak = peak_of(self.row, load_table(), n_tokens)
+        return dataclasses.replace(
+            self, options=options, last_prompt=n_tokens, peak_bytes=peak
+        )
 
     def answers(self, row: dict) -> str:
         return "/".join(str(row["correct"][p]) for p in PATHS[self.path])
@@ -207,11 +218,14 @@ class Choice:
         said = ", ".join(PROTOCOL_WORDS[p] for p in PATHS[self.path])
         under = " (the target is under the smallest fraction measured)"
         under = under if self.fraction < self.table_fraction - 1e-9 else ""
-        length = (
-            f"a {self.n_tokens}-token prompt (the table's; no prompt given)"
-            if self.measured_length
-            else f"this {self.n_tokens}-token prompt"
-        )
+        if self.last_prompt is not None:
+            length = (
+                f"the last prompt read, {self.last_prompt} tokens (rows set per prompt)"
+            )
+        elif self.measured_length:
+            length = f"a {self.n_tokens}-token prompt (the table's; no prompt given)"
+        else:
+            length = f"this {self.n_tokens}-token prompt"
         text = (
             f"auto: {self.algo}, {self.budget} rows, {stored(self.row)} — "
             f"{self.answers(self.row)} of {n} ({said}) at {self.table_fraction:.0%} "
