@@ -194,9 +194,7 @@ class Choice:
     read: float | None = None  # the row's read time / an unpatched prefill's
     best: dict | None = None  # the row answering best, where not the one picked
     best_read: float | None = None
-    last_prompt: int | None = (
-        None  # a share's rows follow each prompt: the last's tokens
-    )
+    last_prompt: int | None = None  # a share's rows follow each prompt: the last's
 
     @property
     def budget(self) -> int:
@@ -204,8 +202,9 @@ class Choice:
 
     def for_prompt(self, n_tokens: int, options: dict) -> Choice:
         """This choice having read a prompt of `n_tokens` with the rows its
-        share bought for it (`options`): its line then says that prompt's rows."""
-        peak = peak_of(self.row, load_table(), n_tokens)
+        share bought for it (`options`): its line then says that prompt's rows.
+        Made before any prompt, its n_tokens are the table's context."""
+        peak = peak_of(self.row, {"context_tokens": self.n_tokens}, n_tokens)
         return dataclasses.replace(
             self, options=options, last_prompt=n_tokens, peak_bytes=peak
         )
