@@ -47,6 +47,8 @@ ARMS = {
     "snapkv_256_kv4": ["--algo", "snapkv", "--budget", "256"]
     + ["--algo-arg", "kv_bits=4"],
     "auto_12mb": ["--max-kv-bytes", "12MB"],
+    "auto_12mb_step1024": ["--max-kv-bytes", "12MB", "--prefill-step-size", "1024"],
+    "auto_12mb_step2048": ["--max-kv-bytes", "12MB", "--prefill-step-size", "2048"],
     "kvzip_256": ["--algo", "kvzip", "--budget", "256"],
     "mlx_lm_unpatched": None,
 }

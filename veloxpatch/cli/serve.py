@@ -55,7 +55,8 @@ def mlx_server_parser() -> argparse.ArgumentParser:
     parser = server_parser()
     parser.prog = "veloxpatch serve"
     # prompts read 512 tokens a step (mlx-lm: 2048): a burst of four 1,000-token
-    # documents grows RSS by 219 MB, not 327, at the same first-token time
+    # documents grows RSS 0.36x mlx-lm's, not 0.74x (1,024) or 0.80x (2,048); its
+    # first token is 1.06x mlx-lm's, 0.96x at 2,048 (bench_serve_burst*.md)
     parser.set_defaults(prefill_step_size=SERVE_PREFILL_STEP)
     for action in parser._actions:
         if action.dest == "prefill_step_size":
