@@ -20,6 +20,7 @@ from test_serve_policy import ASK_A, ASK_B, DOC, REPLAY_ARMS, serve
 from tiny import resolve_options, tiny_model
 
 import veloxpatch
+from veloxpatch.loading.safetensors_header import check_safetensors
 from veloxpatch.serve.disk import DiskEntries
 from veloxpatch.serve.prompt_cache import BoundedPromptCache
 
@@ -38,9 +39,8 @@ def entries(directory):
 
 def stored_tokens(path) -> list[int]:
     """The token ids a stored entry's safetensors metadata holds."""
-    raw = path.read_bytes()
-    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
-    return json.loads(header["__metadata__"]["veloxpatch"])["metadata"]["tokens"]
+    info = check_safetensors(path)["__metadata__"]["veloxpatch"]
+    return json.loads(info)["metadata"]["tokens"]
 
 
 def lines(caplog, text):

@@ -204,7 +204,7 @@ class Choice:
         """This choice having read a prompt of `n_tokens` with the rows its
         share bought for it (`options`): its line then says that prompt's rows.
         Made before any prompt, its n_tokens are the table's context."""
-        peak = peak_of(self.row, {"context_tokens": self.n_tokens}, n_tokens)
+        peak = peak_of(self.row, self.n_tokens, n_tokens)
         return dataclasses.replace(
             self, options=options, last_prompt=n_tokens, peak_bytes=peak
         )
@@ -301,18 +301,18 @@ def stored(row: dict, short: bool = False) -> str:
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size: tokens a forward reads at once
 
 
-def peak_of(row: dict, table: dict, n_tokens: int) -> int:
-    """The table's median peak while reading its context, scaled to `n_tokens`:
-    half of it as activations, which grow with the tokens one forward reads
-    (up to PREFILL_STEP), half as rows held, which grow with the prompt
-    (measured within 3% at 2,000 tokens and 8% at 8,000 for kvzap,
+def peak_of(row: dict, context_tokens: int, n_tokens: int) -> int:
+    """A table row's median peak while reading its `context_tokens`, scaled
+    to `n_tokens`: half of it as activations, which grow with the tokens one
+    forward reads (up to PREFILL_STEP), half as rows held, which grow with the
+    prompt (measured within 3% at 2,000 tokens and 8% at 8,000 for kvzap,
     docs/results.md)."""
     peak = row.get("prefill_peak_bytes_median") or 0
 
     def size(n):
         return min(n, PREFILL_STEP) + n
 
-    return math.ceil(peak * size(n_tokens) / size(table["context_tokens"]))
+    return math.ceil(peak * size(n_tokens) / size(context_tokens))
 
 
 def check_options(options: dict) -> None:
@@ -357,7 +357,8 @@ def choose(
         raise OptionError(f"unknown path {path!r}; one of {', '.join(PATHS)}")
     table = load_table() if table is None else table
     measured = n_tokens is None
-    n = int(table["context_tokens"]) if measured else int(n_tokens)
+    context = int(table["context_tokens"])
+    n = context if measured else int(n_tokens)
     full = full_bytes(model, n)
     size = target.bytes_for(model, n)
     fraction = size / full
@@ -366,7 +367,7 @@ def choose(
     if peak_limit is not None:
 
         def fits(r):
-            return peak_of(r, table, n) <= peak_limit
+            return peak_of(r, context, n) <= peak_limit
 
     rows, at = candidates(table, fraction, scorer is not None, fits)
     best = best_answering(rows, path)
@@ -374,7 +375,7 @@ def choose(
     if row is None and fits is not None:
         # every candidate's peak at that fraction: the least of them would fit
         every, _ = candidates(table, fraction, scorer is not None)
-        least = min((peak_of(r, table, n) for r in every), default=0)
+        least = min((peak_of(r, context, n) for r in every), default=0)
         raise OptionError(
             f"no configuration measured at {at:.0%} of full KV reads a {n}-token "
             f"prompt under max_peak_bytes={peak_limit:,}; the smallest that would "
@@ -401,7 +402,7 @@ def choose(
         table_fraction=at,
         row=row,
         held_bytes=size,
-        peak_bytes=peak_of(row, table, n),
+        peak_bytes=peak_of(row, context, n),
         missing_scorer=scorer is None and kvzap_rows,
         read=read_ratio(row, table),
         best=None if best is row else best,

@@ -369,15 +369,16 @@ class BoundedPromptCache(LRUPromptCache):
         kept = kept_logits(prompt_cache)
         if kept is None:
             return
+        extra = kept[1].nbytes
         try:
             entry = self._trie.get(model, tokens)
         except KeyError:  # already evicted by mlx-lm's own bounds
             return
         if entry.prompt_cache is not prompt_cache:
             return
-        entry.nbytes += kept[1].nbytes
-        self._n_bytes += kept[1].nbytes
-        self._n_bytes_by_type[entry.cache_type] += kept[1].nbytes
+        entry.nbytes += extra
+        self._n_bytes += extra
+        self._n_bytes_by_type[entry.cache_type] += extra
         if self._n_bytes > self.max_bytes:
             self.trim_to(n_bytes=self.max_bytes)
 

@@ -79,10 +79,11 @@ def replay_last_token(cache, n: int) -> bool:
     logits for the last token: whether it could."""
     if any(getattr(c, "phase", None) is None or c.offset != n for c in cache):
         return False
-    kept = kept_logits(cache)
-    if kept is None or kept[0] != n or cache[0].phase.in_prompt:
+    phase = cache[0].phase  # one phase of every layer
+    kept = phase.prompt_logits
+    if kept is None or kept[0] != n or phase.in_prompt:
         return False
-    cache[0].phase.replay = kept[1]
+    phase.replay = kept[1]
     return True
 
 
