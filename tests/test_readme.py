@@ -94,10 +94,10 @@ def shown_keywords() -> list[tuple[str, str, str]]:
         calls = re.findall(r"(?:patched|apply)\(model, \"(\w+)\"(.*?)\)", text)
         for algo, rest in calls:
             found += [(doc, algo, k) for k in re.findall(r"(\w+)=", rest)]
-    table = (ROOT / DOCS[0]).read_text()
+    table = (ROOT / DOCS[1]).read_text()  # the table of every algorithm
     for algo, column in re.findall(r"^\| `(\w+)` \|[^|]*\|([^|]*)\|", table, re.M):
         if algo in known and "as snapkv" not in column:
-            found += [(DOCS[0], algo, k) for k in re.findall(r"`(\w+)`", column)]
+            found += [(DOCS[1], algo, k) for k in re.findall(r"`(\w+)`", column)]
     for algo, bullet in re.findall(
         r"^- `(\w+)`: (.*?)(?=^- |^\S|\Z)", (ROOT / DOCS[1]).read_text(), re.M | re.S
     ):
