@@ -1,5 +1,5 @@
-"""One rank of the sharded-model test (`test_sharded.py` launches it with
-`mlx.launch -n 2 --backend ring` on loopback).
+"""One rank of the sharded-model test (`test_sharded.py` starts two on loopback
+as `mlx.launch -n 2 --backend ring` would).
 
 Every rank builds the same seeded tiny model twice: one stays whole, the other
 is split over the ranks (`model.shard()`, heads; `model.model.pipeline()`,

@@ -1,5 +1,5 @@
-"""Sharded models under `mlx.launch`: two processes on loopback (ring backend)
-run `sharded_worker.py`, which compares a tensor-sharded (`model.shard()`) and a
+"""Sharded models on the ring backend: two processes on loopback run
+`sharded_worker.py`, which compares a tensor-sharded (`model.shard()`) and a
 pipeline-sharded tiny model with the whole one for every algorithm: greedy
 tokens, and per layer and KV head the positions kept (plus bit widths and
 quantized rows where quantized). Also: heads that do not divide by the group
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,18 +24,12 @@ from veloxpatch.errors import CalibrationError, OptionError, UnsupportedModelErr
 
 HERE = Path(__file__).parent
 RANKS = 2
-TIMEOUT_S = 240  # ~30 s on an idle two-core machine; collectives slow under load
-
-
-def launcher() -> str | None:
-    """mlx.launch of this interpreter's environment, else the one on PATH."""
-    beside = Path(sys.executable).parent / "mlx.launch"
-    return str(beside) if beside.exists() else shutil.which("mlx.launch")
+TIMEOUT_S = 240  # ~8 s on an idle two-core machine; collectives slow under load
 
 
 def free_ports(n: int) -> int:
     """A port p with p .. p + n - 1 free on loopback (the ring backend listens on
-    one port per rank from --starting-port)."""
+    one port per rank)."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -55,36 +48,47 @@ def free_ports(n: int) -> int:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """Each rank's results (sharded_worker.py writes rank{r}.json)."""
-    exe = launcher()
-    if exe is None:
-        pytest.skip("mlx.launch not found (it comes with mlx): no distributed run")
+    """Each rank's results (sharded_worker.py writes rank{r}.json). The ranks
+    get what `mlx.launch --backend ring` gives them (MLX_RANK, MLX_HOSTFILE),
+    without the launcher: its output threads poll without waiting and took a
+    core from the ranks (20 s against 7 s here)."""
     out = tmp_path_factory.mktemp("sharded")
+    port = free_ports(RANKS)
+    hostfile = out / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(RANKS)]))
     root = str(HERE.parent)
-    env = dict(os.environ)
+    env = dict(os.environ, MLX_HOSTFILE=str(hostfile))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    cmd = [exe, "--hosts", "127.0.0.1", "-n", str(RANKS), "--backend", "ring"]
-    cmd += ["--starting-port", str(free_ports(RANKS))]
-    cmd += [sys.executable, str(HERE / "sharded_worker.py"), str(out)]
-    # its own session, so a timeout ends the ranks too, not only the launcher
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    # in a session of their own, so a timeout ends both ranks; output to files,
+    # so neither blocks on a full pipe while the other waits in a collective
+    logs = [out / f"rank{r}.log" for r in range(RANKS)]
+    procs = []
+    for r in range(RANKS):
+        with logs[r].open("w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / "sharded_worker.py"), str(out)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=dict(env, MLX_RANK=str(r)),
+                    start_new_session=True,
+                )
+            )
     try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
+        for proc in procs:
+            proc.wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"mlx.launch did not finish in {TIMEOUT_S} s:\n{log[-3000:]}")
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        tail = logs[0].read_text()[-3000:]
+        pytest.fail(f"the ranks did not finish in {TIMEOUT_S} s:\n{tail}")
     files = [out / f"rank{r}.json" for r in range(RANKS)]
     missing = [f.name for f in files if not f.exists()]
-    assert proc.returncode == 0 and not missing, (
-        f"mlx.launch exited {proc.returncode}, missing {missing}:\n{log[-3000:]}"
+    codes = [proc.returncode for proc in procs]
+    assert codes == [0] * RANKS and not missing, (
+        f"ranks exited {codes}, missing {missing}:\n"
+        + "\n".join(log.read_text()[-1500:] for log in logs)
     )
     return [json.loads(f.read_text()) for f in files]
 
