@@ -17,7 +17,7 @@ def test_snapkv_with_8_bit_rows_generates_what_snapkv_does(loaded):
     model, tokenizer = loaded
     prompt = mx.array(prose_tokens(tokenizer, 600, start=9000))
     runs = {}
-    for bits in (None, 8, 4):
+    for bits in (None, 8):  # smaller widths' bytes: test_kv_bits.py
         extra = {} if bits is None else dict(kv_bits=bits, kv_residual=32)
         with veloxpatch.patched(model, "snapkv", budget=256, **extra) as patch:
             caches = patch.make_cache()
@@ -28,7 +28,7 @@ def test_snapkv_with_8_bit_rows_generates_what_snapkv_does(loaded):
     ref, lp8 = runs[None][1], runs[8][1]
     kl = (mx.exp(ref) * (ref - lp8)).sum(-1).max().item()
     assert runs[8][0] == runs[None][0] and kl < 0.01
-    assert runs[None][2] > runs[8][2] > runs[4][2]
+    assert runs[None][2] > runs[8][2]
 
 
 @smollm
