@@ -39,23 +39,25 @@ def rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def step_peak(layers: int, algo: str, opts: dict, steps: int = 1) -> int:
+def step_peak(
+    layers: int, algo: str, opts: dict, steps: int = 1, prompt: int = 1200
+) -> int:
     """mlx's largest peak above what was held, over `steps` decode calls after
-    a 1,200-token prompt on a tiny llama of `layers` layers, driven as
+    a `prompt`-token prompt on a tiny llama of `layers` layers, driven as
     mlx-lm's generate_step does: prefill chunks of 256 with the caches' state
     evaluated after each, the last token alone, then each step's token alone,
     evaluating only the token (what a call changes in a cache is evaluated by
     the call that reads it, unless the cache evaluates it itself)."""
 
     model = tiny_model("llama", head_dim=32, num_hidden_layers=layers)
-    ids = prompt_tokens(1200)[None]
+    ids = prompt_tokens(prompt)[None]
     worst = 0
     with veloxpatch.patched(model, algo, **opts) as patch:
         caches = patch.make_cache()
-        for start in range(0, 1199, 256):
-            model(ids[:, start : min(start + 256, 1199)], cache=caches)
+        for start in range(0, prompt - 1, 256):
+            model(ids[:, start : min(start + 256, prompt - 1)], cache=caches)
             mx.eval([c.state for c in caches])
-        y = model(ids[:, 1199:], cache=caches)[:, -1:].argmax(-1)
+        y = model(ids[:, prompt - 1 :], cache=caches)[:, -1:].argmax(-1)
         for _ in range(steps):
             mx.eval(y)
             gc.collect()

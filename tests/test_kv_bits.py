@@ -221,9 +221,10 @@ def test_a_trim_of_quantized_rows_trims_their_side_state(algo):
 
 def test_a_compaction_while_decoding_is_one_layer_at_a_time():
     """streaming_llm evicts a row a step in every layer, so every layer
-    compacts its holes in the same step: each compaction is evaluated when it
-    runs, so the step's peak does not grow with the layers (left lazy, every
-    layer held all its rows dequantized at once: 2.8x at 16 layers)."""
+    compacts its holes in the same step (about 50 steps after a prompt longer
+    than its 200 rows): each compaction is evaluated when it runs, so the
+    step's peak does not grow with the layers (1.0x at 32 layers; left lazy,
+    1.4x)."""
     opts = dict(budget=200, kv_bits=2, kv_residual=4)
-    worst = [step_peak(n, "streaming_llm", opts, steps=60) for n in (2, 32)]
-    assert worst[1] < 3 * worst[0]
+    worst = [step_peak(n, "streaming_llm", opts, 60, prompt=400) for n in (2, 32)]
+    assert worst[1] < 1.2 * worst[0]
