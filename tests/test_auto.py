@@ -149,18 +149,20 @@ def test_a_byte_target_too_small_names_the_smallest_that_works(fixture_table):
         auto.choose(model, need - 1, "apply", n_tokens=100)
 
 
-def test_a_share_no_share_can_meet_names_a_size_instead(fixture_table):
-    # a prompt shorter than what the algorithm always keeps: no share up to
-    # 100% buys it rows, so the line gives a size a user can pass
+def test_a_share_too_small_for_the_prompt_gives_the_fewest_rows(fixture_table):
+    # a prompt shorter than what the algorithm always keeps (a chat's first
+    # line at 20%), or a share too small for it: the fewest rows that work, as
+    # a server gives every prompt, and the line says so
     model = model32()
-    with pytest.raises(OptionError) as e:
-        auto.choose(model, "20%", "apply", n_tokens=3)
-    message = str(e.value)
-    assert "\n" not in message and "%" not in message.split("max_kv_bytes=20%")[1]
-    assert "keep this prompt uncompressed, or give a size of at least" in message
-    need = int(message.rsplit("at least ", 1)[1].split()[0].replace(",", ""))
-    assert need > pricing.full_bytes(model, 3)
-    assert auto.choose(model, need, "apply", n_tokens=3).budget >= 1
+    for share, n in (("20%", 3), ("1%", 1000)):
+        choice = auto.choose(model, share, "apply", n_tokens=n)
+        given = {k: v for k, v in choice.options.items() if k != "budget"}
+        need = pricing.smallest_target(model, choice.algo, given, 1)
+        fewest = pricing.held_options(model, choice.algo, need, given)["budget"]
+        assert choice.fewest and choice.budget == fewest >= 1
+        line = str(choice)
+        assert f"fewer rows than {choice.algo} works with on this {n}-token" in line
+    assert not auto.choose(model, "20%", "apply", n_tokens=1000).fewest
 
 
 def test_a_peak_bound_picks_what_fits_or_names_the_least(fixture_table):

@@ -124,3 +124,19 @@ def test_bench_decode_patches_each_arm_as_its_caches_were_made(tmp_path, monkeyp
     assert all(row["decode_tok_per_s_median"] > 0 for row in table.values())
     assert table["kivi:bits=2"]["kv_bytes"] < table["full"]["kv_bytes"]
     assert table["snapkv:budget=64"]["kv_bytes"] < table["full"]["kv_bytes"]
+
+
+@smollm
+def test_auto_at_a_share_answers_a_one_line_question(loaded):
+    """A 37-token question is too short for 20% of its KV to buy kvzap's
+    fewest rows: it gets them, as the server gives every prompt, and answers."""
+    import mlx_lm
+
+    model, tokenizer = loaded
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True)
+    with veloxpatch.patched(model, "auto", max_kv_bytes="20%") as patch:
+        text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=12)
+        line = str(patch.auto)
+    assert "Paris" in text, text
+    assert "so it keeps its fewest" in line, line

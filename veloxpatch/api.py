@@ -25,7 +25,7 @@ from .caches.phase import PromptPhase
 from .context import prefill
 from .errors import OptionError, PatchStateError, UnsupportedModelError
 from .loading.models import tokenizer_of
-from .pricing import held_rows, parse_size, split_share
+from .pricing import held_rows, parse_size, split_share, target_bytes
 from .registry import algorithm, algos, make_options  # noqa: F401 (api's names)
 
 _MISSING = object()
@@ -135,12 +135,15 @@ class Patch:
         if n_tokens not in self._by_tokens:
             read = None
             if self.share is not None:
-                size = self.share.bytes_for(self.model, n_tokens)
+                given = self.given()
+                size, _ = target_bytes(self.model, self.algo, target, n_tokens, given)
                 bound = self.options_for_bytes(size)
             else:
-                opts = held_rows(self.model, self.algo, target, n_tokens, self.given())
+                opts, fewest = held_rows(
+                    self.model, self.algo, target, n_tokens, self.given()
+                )
                 bound = make_options(self.cache_cls, opts, self.model)[1]
-                read = self.auto.for_prompt(n_tokens, opts)
+                read = self.auto.for_prompt(n_tokens, opts, fewest)
             self._by_tokens[n_tokens] = (bound, read)
             while len(self._by_tokens) > 16:  # a few prompt lengths kept
                 self._by_tokens.pop(next(iter(self._by_tokens)))

@@ -195,18 +195,20 @@ class Choice:
     best: dict | None = None  # the row answering best, where not the one picked
     best_read: float | None = None
     last_prompt: int | None = None  # a share's rows follow each prompt: the last's
+    fewest: bool = False  # a share too small for the prompt: the fewest rows
 
     @property
     def budget(self) -> int:
         return self.options["budget"]
 
-    def for_prompt(self, n_tokens: int, options: dict) -> Choice:
+    def for_prompt(self, n_tokens: int, options: dict, fewest: bool) -> Choice:
         """This choice having read a prompt of `n_tokens` with the rows its
-        share bought for it (`options`): its line then says that prompt's rows.
-        Made before any prompt, its n_tokens are the table's context."""
+        share bought for it (`options`, the fewest that work where `fewest`):
+        its line then says that prompt's rows. Made before any prompt, its
+        n_tokens are the table's context."""
         peak = peak_of(self.row, self.n_tokens, n_tokens)
         return dataclasses.replace(
-            self, options=options, last_prompt=n_tokens, peak_bytes=peak
+            self, options=options, last_prompt=n_tokens, peak_bytes=peak, fewest=fewest
         )
 
     def answers(self, row: dict) -> str:
@@ -237,9 +239,15 @@ class Choice:
                 f"{self.best['n']}{_reads(self.best_read)}, are not measurably more "
                 "(within the table's spread)"
             )
+        held = f"= {self.fraction:.1%} of the full KV of {length}"
+        if self.fewest:  # what the share bought was fewer rows than it works with
+            held = (
+                f"buys fewer rows than {self.algo} works with on {length}, so it "
+                "keeps its fewest"
+            )
         text += (
-            f"{under}; target {self.target} = {self.fraction:.1%} of the full KV of "
-            f"{length}, peak while reading it about {self.peak_bytes / 1e6:,.1f} MB"
+            f"{under}; target {self.target} {held}, peak while reading it about "
+            f"{self.peak_bytes / 1e6:,.1f} MB"
         )
         if self.missing_scorer:
             text += (
@@ -385,7 +393,7 @@ def choose(
         raise OptionError(
             f"{TABLE.name} has no usable configuration at {at:.0%}; {BUILD}"
         )
-    opts = held_rows(model, row["algo"], target, n, _options_of(row, scorer))
+    opts, fewest = held_rows(model, row["algo"], target, n, _options_of(row, scorer))
     kvzap_rows = any(
         r["algo"] == "kvzap" and r["fraction"] == at and not r["anchor"]
         for r in table["rows"]
@@ -407,4 +415,5 @@ def choose(
         read=read_ratio(row, table),
         best=None if best is row else best,
         best_read=None if best is row else read_ratio(best, table),
+        fewest=fewest,
     )

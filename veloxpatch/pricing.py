@@ -7,8 +7,9 @@ server and eval):
   and values in the model's dtype, every layer veloxpatch patches);
 - `parse_target`: a target, "20%" of each prompt's full KV or bytes ("24MB");
 - `held_options(model, algo, size)`: the rows `size` bytes buy, held once the
-  prompt is read; `held_rows(model, algo, target, n)`: the same for a target on
-  an `n`-token prompt, or one line naming the smallest target that works.
+  prompt is read; `target_bytes(model, algo, target, n)`: the bytes a target
+  gives an `n`-token prompt (a share too small for it: the fewest that work),
+  and `held_rows` the rows they buy.
 
 What a configuration holds at a budget, per layer and KV head, is
 `caches/kv_budget.py`: the caches bind `max_kv_bytes` with it, below this layer.
@@ -40,6 +41,7 @@ __all__ = [
     "smallest_target",
     "split_share",
     "share_in_bytes",
+    "target_bytes",
 ]
 
 
@@ -140,30 +142,31 @@ def _buys(model, algo, options, size) -> bool:
     return True
 
 
-def held_rows(model, algo: str, target: Target, n_tokens: int, options: dict):
-    """`options` with the rows `target` buys for a prompt of `n_tokens`; where
-    it buys too few, one OptionError line naming the smallest target that
-    would, one a user can pass."""
+def target_bytes(model, algo: str, target: Target, n_tokens: int, options: dict):
+    """(bytes, fewest) that `target` gives an `n_tokens`-token prompt with
+    `options`. A share that buys fewer rows than the algorithm always keeps (a
+    short prompt: a chat's first line at 20%) gives the fewest bytes that buy
+    them, fewest True, as a server gives every prompt; a size that does is one
+    OptionError line naming the smallest that works."""
     size = target.bytes_for(model, n_tokens)
-    try:
-        return held_options(model, algo, size, options)
-    except OptionError:
-        need = smallest_target(model, algo, options, size)
-        if need is None:
-            raise
-    full = full_bytes(model, n_tokens)
-    head = (
-        f"max_kv_bytes={target} buys too few rows for {algo} on a {n_tokens}-token "
-        "prompt of this model (fewer than it always keeps)"
+    if _buys(model, algo, options, size):
+        return size, False
+    need = smallest_target(model, algo, options, size)
+    if need is None:  # another fault: its own error
+        held_options(model, algo, size, options)
+    if target.ratio is not None:
+        return need, True
+    raise OptionError(
+        f"max_kv_bytes={target} buys too few rows for {algo} on this model (fewer "
+        f"than it always keeps); the smallest target that works is {need:,} bytes"
     )
-    if need > full:  # no share can: the prompt is shorter than what it keeps
-        raise OptionError(
-            f"{head}, and so would the prompt's whole KV ({full:,} bytes); keep "
-            f"this prompt uncompressed, or give a size of at least {need:,} bytes"
-        )
-    share = f"{math.ceil(1000 * need / full) / 10:g}%"
-    fix = share if target.ratio is not None else f"{need:,} bytes"
-    raise OptionError(f"{head}; the smallest target that works is {fix}")
+
+
+def held_rows(model, algo: str, target: Target, n_tokens: int, options: dict):
+    """(`options` with the rows `target` buys for an `n_tokens`-token prompt,
+    whether they are the fewest the algorithm works with: `target_bytes`)."""
+    size, fewest = target_bytes(model, algo, target, n_tokens, options)
+    return held_options(model, algo, size, options), fewest
 
 
 def split_share(algo: str, options: dict) -> tuple[dict, Target | None]:
@@ -180,9 +183,11 @@ def split_share(algo: str, options: dict) -> tuple[dict, Target | None]:
 
 
 def share_in_bytes(model, algo: str, options: dict, n_tokens: int) -> dict:
-    """`options` with a `max_kv_bytes` share as the bytes it is of a prompt of
-    `n_tokens` (where the prompt is known first: the CLI's generate, compress)."""
+    """`options` with a `max_kv_bytes` share as the bytes it gives a prompt of
+    `n_tokens` (`target_bytes`; where the prompt is known first: the CLI's
+    generate, compress)."""
     rest, share = split_share(algo, options)
     if share is None:
         return options
-    return rest | {"max_kv_bytes": share.bytes_for(model, n_tokens)}
+    size, _ = target_bytes(model, algo, share, n_tokens, rest)
+    return rest | {"max_kv_bytes": size}

@@ -169,7 +169,6 @@ class Budgets:
         self.patch, self.model_key, self.cap = patch, model_key, cap
         self._kept: OrderedDict[tuple, RequestBudget] = OrderedDict()
         self._lock = threading.Lock()
-        self._fewest = None  # the options of the fewest rows that work
 
     def of(self, body: dict, prompt_tokens: int) -> RequestBudget | None:
         """The budget of a request with `prompt_tokens` tokens (None: the
@@ -181,7 +180,13 @@ class Budgets:
             target = pricing.parse_target(field["max_kv_bytes"], SIZE_FIELD)
         except OptionError as e:
             raise BadRequest(str(e)) from None
-        limit = target.bytes_for(self.patch.model, prompt_tokens)
+        patch = self.patch
+        try:  # a share too small for this prompt: the fewest rows that work
+            limit, _ = pricing.target_bytes(
+                patch.model, patch.algo, target, prompt_tokens, patch.given()
+            )
+        except OptionError as e:
+            raise BadRequest(f"{SIZE_FIELD}: {e}") from None
         if self.cap is not None and limit > self.cap:
             raise BadRequest(
                 f"{SIZE_FIELD} ({target}: {limit:,} bytes) is more than the "
@@ -210,19 +215,7 @@ class Budgets:
         short for them: the fewest rows the algorithm works with)."""
         if not self.patch.rows_by_prompt():
             return self.patch.options
-        try:
-            return self.patch.options_for_tokens(prompt_tokens)
-        except OptionError:
-            return self._fewest_rows()
-
-    def _fewest_rows(self):
-        if self._fewest is None:
-            patch = self.patch
-            size = pricing.smallest_target(patch.model, patch.algo, patch.given(), 1)
-            self._fewest = (
-                patch.options if size is None else patch.options_for_bytes(size)
-            )
-        return self._fewest
+        return self.patch.options_for_tokens(prompt_tokens)
 
     def share_note(self, estimate) -> str:
         """The log's note of the rows the server's share gave a request."""
