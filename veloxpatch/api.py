@@ -133,15 +133,12 @@ class Patch:
                 "generate functions, or a size like '24MB'"
             )
         if n_tokens not in self._by_tokens:
-            read = None
+            read, given = None, self.given()
             if self.share is not None:
-                given = self.given()
                 size, _ = target_bytes(self.model, self.algo, target, n_tokens, given)
                 bound = self.options_for_bytes(size)
             else:
-                opts, fewest = held_rows(
-                    self.model, self.algo, target, n_tokens, self.given()
-                )
+                opts, fewest = held_rows(self.model, self.algo, target, n_tokens, given)
                 bound = make_options(self.cache_cls, opts, self.model)[1]
                 read = self.auto.for_prompt(n_tokens, opts, fewest)
             self._by_tokens[n_tokens] = (bound, read)
